@@ -1,0 +1,286 @@
+"""The checking engine: configurations, contexts, verdicts, counterexamples and their replay.
+
+An invariant is a *claim function* ``claim(ctx) -> (assumption, claim)`` written against a context. The
+same function runs twice:
+
+* symbolically (:class:`SymbolicContext`): ``ctx.P`` is :mod:`kvhit.spec.policy` executed by the Z3
+  lowering, the prompt length and the cache are symbolic; Z3 searches for an input where the assumption
+  holds and the claim fails;
+* concretely (:class:`ReplayContext`): ``ctx.P`` is the generated :mod:`kvhit.refimpl`, and the input is a
+  Z3 counterexample. A counterexample counts only if this replay violates the claim too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import z3
+
+from kvhit import refimpl
+from types import SimpleNamespace
+
+from kvhit.spec import policy as spec_policy
+from kvhit.spec import sizes as spec_sizes
+from kvhit.spec.domain import NO_SPECULATION, Kind, Layout, Speculation
+from kvhit.spec.lower_z3 import SymbolicCache, fresh_int, lowering
+from kvhit.spec.policy import Rules, pass_bound
+from kvhit.spec.sizes import Sizes, derive_sizes
+from kvhit.spec.terms import Term, _zv
+
+SOLVER_TIMEOUT_MS = 60_000
+
+# The spec's functions under the names the generated refimpl gives them (one flat module there).
+SPEC = SimpleNamespace(**{**vars(spec_sizes), **vars(spec_policy)})
+
+
+@dataclass(frozen=True)
+class Config:
+    """One enumerated configuration: a layout and a speculative setting."""
+
+    layout: Layout
+    speculation: Speculation
+
+    @property
+    def label(self) -> str:
+        dcp = f" dcp{self.layout.dcp}" if self.layout.dcp > 1 else ""
+        return f"{self.layout.name}{dcp} {self.speculation.describe()}"
+
+
+@dataclass(frozen=True)
+class Invariant:
+    """A named claim checked for every configuration it applies to.
+
+    Attributes:
+        name: the claim, as a sentence in snake case.
+        claim: ``claim(ctx) -> (assumption, claim)``; its docstring states the formula.
+        concern: the proofs module it lives in.
+        applies: which configurations it speaks about.
+        refuted_by: known-bad variants that must refute it (non-vacuity).
+    """
+
+    name: str
+    claim: Callable
+    concern: str
+    applies: Callable[[Config], bool] = lambda config: True
+    refuted_by: tuple = ()
+    hits: int = 1
+    witnesses: int = 1
+
+    @property
+    def formula(self) -> str:
+        return " ".join((self.claim.__doc__ or "").split())
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """An invariant pinned to one reported case: a configuration and a prompt length, with every group's
+    cache holding the whole prompt (what one served request leaves with dense retention)."""
+
+    name: str
+    invariant: str
+    config: Config
+    n_tokens: int
+
+
+class _Context:
+    """What a claim function sees. Subclasses bind it to symbols or to a counterexample."""
+
+    P = None
+    cache = None
+    n = None
+    config: Config
+    rules: Rules
+
+    def sizes(self, speculation: Speculation | None = None) -> Sizes:
+        layout, speculation = self.config.layout, speculation or self.config.speculation
+        if self.P is refimpl:  # the generated code has its own domain types
+            layout = refimpl.Layout(tuple(refimpl.Group(**vars(g)) for g in layout.groups), layout.dcp,
+                                    layout.prefix_match_unit, layout.name)
+            speculation = refimpl.Speculation(speculation.mode.value, speculation.num_speculative_tokens,
+                                              speculation.multi_module_mtp)
+        return self.P.derive_sizes(layout, speculation, self.rules.scale_replicated)
+
+    def hit(self, speculation: Speculation | None = None, rules: Rules | None = None):
+        """``(hit, reach, longest, converged)`` of the policy (or ``rules``) under a speculative setting."""
+        return self.P.hit_tokens(self.cache, self.sizes(speculation), self.n, rules or self.rules)
+
+    def serves(self, x, speculation: Speculation | None = None):
+        """Whether every group serves a hit of ``x`` (the reference's notion of validity)."""
+        sizes = self.sizes(speculation)
+        reach = self.P.num_hashes(sizes, self.n) * sizes.hash_block
+        extents = self.P.group_extents(self.cache, sizes, reach)
+        return self.P.serves_all(self.cache, sizes, x, extents, reach, spec_policy.REFERENCE)
+
+    def dense(self, extent, speculation: Speculation | None = None):
+        """Every group holds every block up to ``extent`` tokens, at each unit its lookups read."""
+        sizes = self.sizes(speculation)
+        out = True
+        for k, sg in enumerate(sizes.groups):
+            unit = sizes.alignment if (sg.kind is Kind.MAMBA and sg.fine) else sg.block
+            blocks = extent // unit
+            out = spec_policy.and_(out, self.cache.run_from(k, 0, unit, blocks) >= blocks)
+        return out
+
+
+class SymbolicContext(_Context):
+    def __init__(self, config: Config, rules: Rules, runs: int):
+        self.config, self.rules = config, rules
+        self.P = SPEC
+        self.cache = SymbolicCache(runs)
+        self.n = fresh_int("N")
+        self.symbols: dict[str, Term] = {"N": self.n}
+        self.shown: dict[str, object] = {}
+
+    def fresh(self, name: str) -> Term:
+        self.symbols[name] = fresh_int(name)
+        return self.symbols[name]
+
+    def fresh_bool(self, name: str) -> Term:
+        self.symbols[name] = Term(z3.Bool(f"{name}!{len(self.symbols)}"))
+        return self.symbols[name]
+
+    def show(self, name: str, value):
+        self.shown[name] = value
+        return value
+
+
+class ReplayContext(_Context):
+    def __init__(self, config: Config, rules: Rules, values: dict, cache):
+        self.config, self.rules = config, rules
+        self.P = refimpl
+        self.values = values
+        self.cache = cache
+        self.n = values["N"]
+        self.shown: dict[str, object] = {}
+
+    def fresh(self, name: str):
+        return self.values[name]
+
+    fresh_bool = fresh
+
+    def show(self, name: str, value):
+        self.shown[name] = value
+        return value
+
+
+def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
+    """Cached runs per (group, unit) that make the symbolic cache complete for a check (the small-model
+    argument in :mod:`kvhit.spec.lower_z3`): one per place whose validity the check relies on. Each hit
+    relies on one place per lookup of a group (one lookup for the reference and a single group, one per
+    unrolled pass in vLLM's Hybrid loop); each witness on one; and the leading run from block 0 on one."""
+    sizes = derive_sizes(config.layout, config.speculation)
+    per_hit = 1 if (rules.declarative or sizes.unitary) else pass_bound(sizes)
+    return invariant.hits * per_hit + invariant.witnesses + 1
+
+
+# Z3's arithmetic solvers differ by orders of magnitude on these linear problems full of division by
+# constants, and neither wins everywhere: try the older simplex solver briefly, then the default one.
+PORTFOLIO = ((2, 4_000), (6, SOLVER_TIMEOUT_MS))
+
+
+def solve(formulas):
+    """``(result, model, reason)`` of the conjunction of ``formulas``, by the solver portfolio."""
+    reason = ""
+    for arith, timeout in PORTFOLIO:
+        z3.set_param("smt.arith.solver", arith)
+        solver = z3.Solver()
+        solver.set("timeout", timeout)
+        solver.add(*formulas)
+        result = solver.check()
+        if result != z3.unknown:
+            return result, solver.model() if result == z3.sat else None, ""
+        reason = solver.reason_unknown()
+    return z3.unknown, None, reason
+
+
+@dataclass
+class Verdict:
+    invariant: str
+    policy: str
+    verdict: str  # PROVED | REFUTED | UNKNOWN | REPLAY-MISMATCH | ERROR
+    configs: list = field(default_factory=list)
+    seconds: float = 0.0
+    counterexample: dict | None = None
+    note: str = ""
+
+    def as_json(self) -> dict:
+        return {"invariant": self.invariant, "policy": self.policy, "verdict": self.verdict,
+                "configs": len(self.configs), "seconds": round(self.seconds, 3),
+                "counterexample": self.counterexample}
+
+
+def _as_python(value, model):
+    if isinstance(value, Term):
+        v = model.eval(value.z, model_completion=True)
+        if z3.is_bool(v):
+            return z3.is_true(v)
+        return v.as_long()
+    if isinstance(value, tuple):
+        return tuple(_as_python(v, model) for v in value)
+    return value
+
+
+def cache_from_runs(runs: dict) -> tuple:
+    """A concrete cache from runs of cached blocks ``{(group, unit): [(start, end), ...]}``.
+
+    Boundary ``x`` of group ``k`` is read from the run list of the largest unit that divides ``x`` (the
+    units of one group never read each other's boundaries). Returns the cache and a JSON description.
+    """
+    by_group: dict[int, list] = {}
+    for (k, unit), spans in runs.items():
+        by_group.setdefault(k, []).append((unit, list(spans)))
+    for lists in by_group.values():
+        lists.sort(key=lambda item: -item[0])
+
+    def has(k, x):
+        for unit, spans in by_group.get(k, []):
+            if x % unit == 0:
+                j = x // unit - 1
+                return any(s <= j < e for s, e in spans)
+        return False
+
+    described = {str(k): [{"unit": unit, "blocks": [[s, e] for s, e in spans if e > s]}
+                          for unit, spans in lists] for k, lists in by_group.items()}
+    return refimpl.CacheState(has), described
+
+
+def model_runs(cache: SymbolicCache, model) -> dict:
+    return {key: [(model.eval(s.z, True).as_long(), model.eval(e.z, True).as_long()) for s, e in lst]
+            for key, lst in cache.lists.items()}
+
+
+def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None):
+    """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex)``."""
+    start = time.perf_counter()
+    with lowering():
+        ctx = SymbolicContext(config, rules, runs_needed(invariant, rules, config))
+        assumption, claim = invariant.claim(ctx)
+        formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
+        if scenario is not None:
+            formulas.append(ctx.n.z == scenario.n_tokens)
+            formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
+        result, model, reason = solve(formulas)
+    seconds = time.perf_counter() - start
+    if result == z3.unsat:
+        return "PROVED", seconds, None
+    if result == z3.unknown:
+        return "UNKNOWN", seconds, {"reason": reason}
+    values = {name: _as_python(term, model) for name, term in ctx.symbols.items()}
+    symbolic_shown = {name: _as_python(v, model) for name, v in ctx.shown.items()}
+    cache, described = cache_from_runs(model_runs(ctx.cache, model))
+    replay = ReplayContext(config, rules, values, cache)
+    r_assumption, r_claim = invariant.claim(replay)
+    cex = {
+        "layout": config.layout.name, "dcp": config.layout.dcp,
+        "speculation": config.speculation.describe(), "policy": rules.name, "N": values["N"],
+        "cache": described, "z3": symbolic_shown, "replayed": dict(replay.shown),
+        "witnesses": {k: v for k, v in values.items() if k != "N"},
+    }
+    ref = ReplayContext(config, spec_policy.REFERENCE, values, cache)
+    cex["reference_hit"] = ref.hit()[0]
+    cex["reference_hit_without_speculation"] = ref.hit(NO_SPECULATION)[0]
+    if not (r_assumption and not r_claim) or symbolic_shown != replay.shown:
+        return "REPLAY-MISMATCH", seconds, cex
+    return "REFUTED", seconds, cex

@@ -1,0 +1,175 @@
+"""Run every invariant against every policy and configuration; print the verdict table.
+
+``make prove`` / ``kvhit prove`` / ``python -m kvhit.proofs``. Exit status 0 only if every invariant is
+PROVED for ``reference``, every other verdict matches :data:`kvhit.proofs.expected.EXPECTED`, every
+invariant is refuted by its known-bad variants, and no check is UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+from kvhit.spec.catalogue import CATALOGUE
+from kvhit.spec.policy import ALL_POLICIES, POLICIES
+
+from . import alignment, dcp, eagle, termination, validity
+from .domains import SCENARIOS, configs
+from .expected import EXPECTED
+from .model import Verdict, check
+
+INVARIANTS = (alignment.INVARIANTS + validity.INVARIANTS + eagle.INVARIANTS + dcp.INVARIANTS
+              + termination.INVARIANTS)
+BY_NAME = {inv.name: inv for inv in INVARIANTS}
+VECTORS = Path(__file__).resolve().parent.parent / "tests" / "vectors" / "hit_tokens"
+
+_CONFIGS = None
+
+
+def _configs():
+    global _CONFIGS
+    if _CONFIGS is None:
+        _CONFIGS = configs()
+    return _CONFIGS
+
+
+def _run_task(task):
+    inv_name, policy, index, scenario = task
+    invariant = BY_NAME[inv_name]
+    if scenario is not None:
+        sc = next(s for s in SCENARIOS if s.name == scenario)
+        verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], sc.config, sc)
+        return task, verdict, seconds, cex
+    verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], _configs()[index])
+    return task, verdict, seconds, cex
+
+
+def tasks(only_catalogue_for_bad: bool = True):
+    out = []
+    cfgs = _configs()
+    catalogue = set(CATALOGUE)
+    for inv in INVARIANTS:
+        for i, config in enumerate(cfgs):
+            if not inv.applies(config):
+                continue
+            for policy in POLICIES:
+                out.append((inv.name, policy, i, None))
+            for bad in inv.refuted_by:
+                if bad in POLICIES:
+                    continue
+                if only_catalogue_for_bad and (config.layout.name not in catalogue or config.layout.dcp > 1):
+                    continue
+                out.append((inv.name, bad, i, None))
+    for sc in SCENARIOS:
+        for policy in POLICIES:
+            out.append((sc.invariant, policy, None, sc.name))
+    return out
+
+
+def run(jobs: int | None = None) -> list[Verdict]:
+    todo = tasks()
+    jobs = jobs or min(os.cpu_count() or 1, 4)
+    results = []
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            results = list(pool.imap_unordered(_run_task, todo, chunksize=4))
+    else:
+        results = [_run_task(t) for t in todo]
+    order = {t: i for i, t in enumerate(todo)}
+    results.sort(key=lambda r: order[r[0]])
+    verdicts: dict[tuple, Verdict] = {}
+    cfgs = _configs()
+    for (inv_name, policy, index, scenario), verdict, seconds, cex in results:
+        key = (inv_name if scenario is None else f"{inv_name}@{scenario}", policy)
+        v = verdicts.setdefault(key, Verdict(key[0], policy, "PROVED"))
+        v.seconds += seconds
+        label = cfgs[index].label if scenario is None else scenario
+        v.configs.append(label)
+        rank = {"PROVED": 0, "REFUTED": 1, "UNKNOWN": 2, "REPLAY-MISMATCH": 3, "ERROR": 4}
+        if rank[verdict] > rank[v.verdict]:
+            v.verdict = verdict
+            v.counterexample = cex
+            v.note = label
+        if verdict == "REFUTED":
+            v.refuted = getattr(v, "refuted", 0) + 1
+    return list(verdicts.values())
+
+
+def judge(verdicts: list[Verdict]) -> list[str]:
+    """Why the run fails (empty if it passes)."""
+    problems = []
+    seen = {(v.invariant, v.policy): v for v in verdicts}
+    for v in verdicts:
+        if v.verdict in ("UNKNOWN", "REPLAY-MISMATCH", "ERROR"):
+            problems.append(f"{v.invariant} / {v.policy}: {v.verdict} ({v.note})")
+            continue
+        expected = EXPECTED.get((v.invariant, v.policy), "PROVED" if v.policy in POLICIES else "REFUTED")
+        if v.verdict != expected:
+            problems.append(f"{v.invariant} / {v.policy}: {v.verdict}, expected {expected} "
+                            "(update proofs/expected.py only with a reviewed reason)")
+    for inv in INVARIANTS:
+        if not any(seen.get((inv.name, bad)) and seen[(inv.name, bad)].verdict == "REFUTED"
+                   for bad in inv.refuted_by):
+            problems.append(f"{inv.name}: no known-bad variant refutes it (vacuity not excluded)")
+    return problems
+
+
+def _summary(cex: dict | None) -> str:
+    if not cex or "N" not in cex:
+        return ""
+    shown = ", ".join(f"{k}={v}" for k, v in cex["replayed"].items())
+    return (f"{cex['layout']}{' dcp' + str(cex['dcp']) if cex['dcp'] > 1 else ''} [{cex['speculation']}] "
+            f"N={cex['N']}: {shown}; reference hit={cex['reference_hit']}")
+
+
+def table(verdicts: list[Verdict]) -> str:
+    lines = [f"{'invariant':58} {'policy':24} {'verdict':9} {'configs':>7} {'seconds':>8}  counterexample",
+             "-" * 150]
+    for v in verdicts:
+        refuted = getattr(v, "refuted", 0)
+        count = f"{refuted}/{len(v.configs)}" if v.verdict == "REFUTED" else str(len(v.configs))
+        lines.append(f"{v.invariant:58} {v.policy:24} {v.verdict:9} {count:>7} {v.seconds:8.2f}  "
+                     f"{_summary(v.counterexample) if v.verdict == 'REFUTED' else v.note if v.verdict != 'PROVED' else ''}")
+    return "\n".join(lines)
+
+
+def write_vectors(verdicts: list[Verdict]) -> int:
+    VECTORS.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for v in verdicts:
+        if v.verdict == "REFUTED" and v.counterexample and "N" in v.counterexample:
+            name = f"{v.invariant.replace('@', '__')}__{v.policy}.json"
+            record = {"invariant": v.invariant.split("@")[0], "policy": v.policy, **v.counterexample}
+            (VECTORS / name).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            n += 1
+    return n
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvhit prove", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPUs)")
+    parser.add_argument("--write-vectors", action="store_true",
+                        help="save each REFUTED counterexample under tests/vectors/hit_tokens/")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    verdicts = run(args.jobs)
+    problems = judge(verdicts)
+    if args.json:
+        print(json.dumps([v.as_json() for v in verdicts], indent=1))
+    else:
+        print(table(verdicts))
+        print(f"\n{len(_configs())} configurations, {len(verdicts)} verdicts, "
+              f"{time.perf_counter() - start:.1f} s wall")
+    if args.write_vectors:
+        print(f"wrote {write_vectors(verdicts)} counterexample vectors to {VECTORS}", file=sys.stderr)
+    if problems:
+        print("\nFAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    print("OK: every invariant PROVED for reference; every other verdict as expected", file=sys.stderr)
+    return 0

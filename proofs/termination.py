@@ -1,0 +1,44 @@
+"""The hit computation terminates, with an explicit bound on its passes."""
+
+from kvhit.spec.terms import and_, eq
+
+from .model import Invariant
+
+
+def hit_loop_terminates(ctx):
+    """For every N, cache state and loop state (candidate L >= 0, any eagle-verified set, any aligned
+    full-attention lengths), one pass returns c with 0 <= c <= L and c % A == 0. So L is a non-negative
+    multiple of A after the first pass and falls by at least A on every pass that does not stop: the loop
+    stops within floor((N - 1) / A) + 2 passes. (The reference's pass is its candidate scan; a single
+    group's pass is its lookup.)"""
+    sizes = ctx.sizes()
+    P = ctx.P
+    hashes = P.num_hashes(sizes, ctx.n)
+    reach = hashes * sizes.hash_block
+    bound = ctx.fresh("L")
+    assumption = bound >= 0
+    outs = []
+    if ctx.rules.declarative:
+        extents = P.group_extents(ctx.cache, sizes, reach)
+        outs.append(P.reference_pass(ctx.cache, sizes, bound, extents, reach, ctx.rules))
+    elif sizes.unitary:
+        outs.append(P.lookup(ctx.cache, sizes, 0, hashes, bound, sizes.groups[0].drops)[0])
+    else:
+        verified = tuple(ctx.fresh_bool(f"verified{k}") for k in range(len(sizes.groups)))
+        lengths = tuple(ctx.fresh(f"length{k}") for k in range(len(sizes.groups)))
+        for length in lengths:
+            assumption = and_(assumption, and_(length >= 0, eq(length % sizes.alignment, 0)))
+        for first in (True, False):
+            outs.append(P.hybrid_pass(ctx.cache, sizes, hashes, bound, verified, lengths, first,
+                                      ctx.rules)[0])
+    claim = True
+    for k, c in enumerate(outs):
+        ctx.show(f"pass{k}", c)
+        claim = and_(claim, and_(and_(c >= 0, c <= bound), eq(c % sizes.alignment, 0)))
+    return assumption, claim
+
+
+INVARIANTS = (
+    Invariant("hit_loop_terminates", hit_loop_terminates, "termination",
+              refuted_by=("peek_without_pop",)),
+)

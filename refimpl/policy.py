@@ -1,0 +1,784 @@
+"""kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
+
+Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/api.py (lowered with spec/terms.py's operator table).
+spec-sha256: d24c27cc690f72574390cd1b1cc6c854e7f910e9bfd0f8b2f064817c8231cb49
+output-sha256: 2f92320fd6edb5040373488b9cac4258787e774a8191df6815b452755b459744
+"""
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+
+# --------------------------------------------------------------------------------------------------
+# spec/runtime.py
+# Concrete helpers the policy needs at run time.
+#
+# Codegen copies this module into ``refimpl`` as it is: it is the Python meaning of the operators that are
+# not a one-line expression (the candidate scan) and of the layout arithmetic (lcm, gcd).
+# --------------------------------------------------------------------------------------------------
+
+def max_aligned(step, hi, pred):
+    """The largest ``x = k * step`` with ``0 < x <= hi`` and ``pred(x)``, or 0 if there is none."""
+    x = hi // step * step
+    while x > 0:
+        if pred(x):
+            return x
+        x -= step
+    return 0
+
+def lcm_all(values):
+    """Least common multiple of positive integers."""
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+def gcd_all(values):
+    """Greatest common divisor of positive integers."""
+    out = 0
+    for v in values:
+        out = math.gcd(out, v)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# spec/domain.py
+# Domain types: what a KV-cache layout and a speculative-decoding setting are.
+#
+# Layout values are always concrete; only request state (prompt length, cache contents) is symbolic.
+# Every constructor validates its input and raises ``ValueError`` naming the problem.
+# --------------------------------------------------------------------------------------------------
+
+class Kind(str, Enum):
+    """The kind of a KV-cache group, i.e. which vLLM manager looks it up.
+
+    vLLM: ``FullAttentionManager`` (also MLA), ``SlidingWindowManager`` (also SWA-MLA),
+    ``MambaManager`` (``mamba_cache_mode="align"``), ``ChunkedLocalAttentionManager``.
+    """
+    FULL = 'full'
+    SWA = 'swa'
+    MAMBA = 'mamba'
+    CHUNKED = 'chunked'
+
+class Mode(str, Enum):
+    """How EAGLE/MTP speculative decoding protects the last cached block.
+
+    * ``none``: no EAGLE-family drafter.
+    * ``lookahead``: each block hash also covers the next ``L`` tokens, so a block is only findable once
+      the tokens the draft needs after it exist (vLLM 0.33's default for eagle/mtp without a KV connector).
+    * ``drop``: the EAGLE groups recompute one drop unit past the hit (the "eagle drop"; vLLM with a KV
+      connector or ``disable_lookahead_block_hashes=True``).
+    """
+    NONE = 'none'
+    LOOKAHEAD = 'lookahead'
+    DROP = 'drop'
+
+def _positive_int(value, what):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f'{what} must be an integer, got {value!r}')
+    if value <= 0:
+        raise ValueError(f'{what} must be positive, got {value}')
+    return value
+
+@dataclass(frozen=True)
+class Group:
+    """One KV-cache group: a kind, a per-rank block size in tokens, and its flags.
+
+    Attributes:
+        kind: which manager looks the group up.
+        block_size: tokens per block on one rank (vLLM ``spec.block_size``).
+        window: sliding window in tokens (``swa`` only).
+        chunk: attention chunk size in tokens (``chunked`` only).
+        dcp_sharded: whether decode context parallelism shards this group's KV across ranks, which
+            multiplies its effective block size by the DCP size. Attention groups default to sharded,
+            Mamba to not (vLLM: ``AttentionSpec.dcp_sharded`` / ``KVCacheSpec.dcp_sharded``).
+        eagle: whether the group holds a draft (EAGLE/MTP) layer (vLLM ``is_eagle_group``).
+        tokens_per_state: tokens one cached entry summarises (DeepSeek-V4's compressed MLA: 4 or 128);
+            the hit alignment must be a multiple of it. Groups that differ only here are not merged.
+    """
+    kind: Kind
+    block_size: int
+    window: int | None = None
+    chunk: int | None = None
+    dcp_sharded: bool | None = None
+    eagle: bool = False
+    tokens_per_state: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, 'kind', Kind(self.kind))
+        _positive_int(self.block_size, f'{self.kind.value} group block_size')
+        _positive_int(self.tokens_per_state, 'tokens_per_state')
+        if self.dcp_sharded is None:
+            object.__setattr__(self, 'dcp_sharded', self.kind is not Kind.MAMBA)
+        if self.kind is Kind.SWA:
+            if self.window is None:
+                raise ValueError('a sliding-window group needs a window')
+            _positive_int(self.window, 'sliding window')
+            if self.window < 2:
+                raise ValueError(f'sliding window {self.window} keeps no context; the spec needs >= 2')
+        elif self.window is not None:
+            raise ValueError(f'window is only for sliding-window groups, not {self.kind.value}')
+        if self.kind is Kind.CHUNKED:
+            if self.chunk is None:
+                raise ValueError('a chunked-local group needs a chunk size')
+            _positive_int(self.chunk, 'attention chunk size')
+            if self.eagle:
+                raise ValueError('an EAGLE group in chunked local attention is not supported (vLLM asserts drop_eagle_block is False for chunked local attention)')
+        elif self.chunk is not None:
+            raise ValueError(f'chunk is only for chunked-local groups, not {self.kind.value}')
+        if self.kind is Kind.MAMBA and self.dcp_sharded:
+            raise ValueError('a Mamba group cannot be DCP-sharded (vLLM never shards Mamba state)')
+
+@dataclass(frozen=True)
+class Layout:
+    """A model's KV-cache layout as the scheduler sees it.
+
+    Attributes:
+        groups: the KV-cache groups, in vLLM's group order.
+        dcp: decode context parallel world size.
+        prefix_match_unit: the hash unit an operator asked for (vLLM ``prefix_match_unit``), or None for
+            the GCD rule.
+        name: a label for reports.
+    """
+    groups: tuple
+    dcp: int = 1
+    prefix_match_unit: int | None = None
+    name: str = ''
+
+    def __post_init__(self):
+        groups = tuple((g if isinstance(g, Group) else Group(**g) for g in self.groups))
+        object.__setattr__(self, 'groups', groups)
+        if not groups:
+            raise ValueError('a layout needs at least one KV-cache group')
+        _positive_int(self.dcp, 'DCP world size')
+        if self.prefix_match_unit is not None:
+            _positive_int(self.prefix_match_unit, 'prefix_match_unit')
+        hybrid = len(groups) > 1
+        for i, g in enumerate(groups):
+            sharded = g.dcp_sharded and self.dcp > 1
+            if sharded and g.kind in (Kind.SWA, Kind.CHUNKED):
+                raise ValueError(f'group {i}: DCP {self.dcp} with a sharded {g.kind.value} group is not supported (vLLM asserts DCP == 1 in its sliding-window and chunked-local lookups); mark the group replicated (dcp_sharded=False) or use DCP 1')
+            if hybrid and g.kind is Kind.CHUNKED:
+                raise ValueError(f'group {i}: chunked local attention in a hybrid layout is not modelled by the spec')
+
+@dataclass(frozen=True)
+class Speculation:
+    """The speculative-decoding setting that shapes the hit.
+
+    Attributes:
+        mode: none, lookahead or drop (see :class:`Mode`).
+        num_speculative_tokens: draft tokens per step (``k``).
+        multi_module_mtp: MTP with more than one prediction module, which makes the prefill lookahead
+            ``k`` tokens instead of 1 (vLLM ``use_multi_module_mtp``).
+    """
+    mode: Mode = Mode.NONE
+    num_speculative_tokens: int = 0
+    multi_module_mtp: bool = False
+    label: str = field(default='', compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, 'mode', Mode(self.mode))
+        if self.mode is Mode.NONE:
+            if self.num_speculative_tokens or self.multi_module_mtp:
+                raise ValueError('num_speculative_tokens / multi_module_mtp need an EAGLE-family mode')
+        else:
+            _positive_int(self.num_speculative_tokens, 'num_speculative_tokens')
+
+    @property
+    def prefill_lookahead(self) -> int:
+        """Tokens the draft needs past a prefill (vLLM ``num_prefill_lookahead_tokens``, ``Lp``)."""
+        if self.mode is Mode.NONE:
+            return 0
+        if self.multi_module_mtp and self.num_speculative_tokens > 1:
+            return self.num_speculative_tokens
+        return 1
+
+    @property
+    def hash_lookahead(self) -> int:
+        """Extra tokens each block hash covers (vLLM ``num_hash_lookahead_tokens``, ``L``)."""
+        return self.prefill_lookahead if self.mode is Mode.LOOKAHEAD else 0
+
+    @property
+    def drop(self) -> bool:
+        """Whether EAGLE groups drop (recompute) one unit past the hit."""
+        return self.mode is Mode.DROP
+
+    def describe(self) -> str:
+        if self.mode is Mode.NONE:
+            return 'none'
+        mtp = f' mtp{self.num_speculative_tokens}' if self.multi_module_mtp else ''
+        return f'{self.mode.value} Lp={self.prefill_lookahead}{mtp}'
+NO_SPECULATION = Speculation()
+
+
+# --------------------------------------------------------------------------------------------------
+# spec/sizes.py
+# Derived sizes: effective blocks, scheduler block, hash unit, alignment, spec groups, eagle margins.
+#
+# All layout arithmetic is concrete. ``num_hashes`` is the one size that depends on the (symbolic) prompt.
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpecGroup:
+    """KV-cache groups that vLLM looks up together: equal spec, same manager (vLLM ``SpecGroup``).
+
+    Attributes:
+        kind, block: the shared kind and effective (DCP-scaled) block size.
+        window, chunk: as on :class:`Group`.
+        members: indices of the KV-cache groups merged here.
+        drops: whether the group is an EAGLE group that drops (recomputes) a unit past the hit.
+        margin: the eagle drop unit in tokens (vLLM ``eagle_proof_margin``): ``h`` when the group is looked
+            up at hash granularity (partial hits on, a fine-grained manager, block > h), else its block.
+        fine: whether the group is looked up at hash granularity (vLLM ``A < b and b % A == 0``).
+    """
+    kind: Kind
+    block: int
+    window: int | None
+    chunk: int | None
+    members: tuple
+    drops: bool
+    margin: int
+    fine: bool
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything the hit computation needs to know about a layout and a speculative setting.
+
+    Attributes:
+        scheduler_block: ``S``, the LCM of the effective blocks (vLLM ``scheduler_block_size``).
+        hash_block: ``h``, the hash unit (vLLM ``hash_block_size``).
+        partial_hits: whether fine-grained (hash-unit) hits are on (vLLM ``enable_partial_hash_hits``).
+        alignment: ``A``, what every hit is a multiple of (vLLM ``cache_hit_alignment_tokens``).
+        effective_blocks: per KV-cache group, ``block_size * dcp`` if sharded else ``block_size``.
+        groups: the spec groups, full attention first (vLLM's lookup order).
+        unitary: one KV-cache group (vLLM ``UnitaryKVCacheCoordinator``).
+        hash_lookahead: ``L``; prefill_lookahead: ``Lp``; drop: whether EAGLE groups drop.
+    """
+    scheduler_block: int
+    hash_block: int
+    partial_hits: bool
+    alignment: int
+    effective_blocks: tuple
+    groups: tuple
+    unitary: bool
+    hash_lookahead: int
+    prefill_lookahead: int
+    drop: bool
+    dcp: int
+
+    @property
+    def eagle_unit(self) -> int:
+        """The largest drop unit over dropping groups (0 when nothing drops)."""
+        return max([g.margin for g in self.groups if g.drops], default=0)
+
+def effective_block(group: Group, dcp: int, scale_replicated: bool=False) -> int:
+    """A group's block in tokens across DCP ranks.
+
+    vLLM: ``SingleTypeKVCacheManager.__init__`` (``block_size * dcp if spec.dcp_sharded``) and
+    ``resolve_dcp_kv_block_size``. Only sharded groups scale; replicated draft groups and Mamba do not.
+    ``scale_replicated`` is the known-bad variant that scales every group.
+    """
+    if group.dcp_sharded or scale_replicated:
+        return group.block_size * dcp
+    return group.block_size
+
+def fine_grained_capable(kind: Kind) -> bool:
+    """Whether the kind's manager can look up at hash granularity (vLLM
+    ``supports_fine_grained_hash_lookup``: full attention and Mamba)."""
+    return kind in (Kind.FULL, Kind.MAMBA)
+
+def partial_hash_hits_enabled(layout: Layout, blocks, h: int) -> bool:
+    """vLLM: ``partial_hash_hits_enabled``: some Mamba group's block exceeds the hash unit (or equals it
+    under DCP > 1, where the full-attention block scales instead), and every group either looks up at
+    hash granularity or has a block equal to the hash unit."""
+    mamba_wants_it = False
+    for g in layout.groups:
+        if g.kind is Kind.MAMBA:
+            if layout.dcp == 1 and g.block_size > h or (layout.dcp > 1 and g.block_size >= h):
+                mamba_wants_it = True
+    if not mamba_wants_it:
+        return False
+    for g, b in zip(layout.groups, blocks):
+        if not fine_grained_capable(g.kind) and b != h:
+            return False
+    return True
+
+def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: bool=False) -> Sizes:
+    """All derived sizes of a layout, validated.
+
+    vLLM: ``resolve_kv_cache_block_sizes`` (S, h), ``partial_hash_hits_enabled`` and
+    ``HybridKVCacheCoordinator._cache_hit_alignment_tokens`` (A), ``verify_and_split_kv_cache_groups``
+    (spec groups), ``KVCacheCoordinator.__init__`` (eagle groups, with the all-groups fallback),
+    ``eagle_proof_margin`` (margins).
+
+    Raises:
+        ValueError: block sizes that the hash unit does not divide, a ``prefix_match_unit`` a single group
+            cannot use, or a scheduler block shorter than the prefill lookahead.
+    """
+    blocks = tuple((effective_block(g, layout.dcp, scale_replicated) for g in layout.groups))
+    unitary = len(layout.groups) == 1
+    scheduler_block = lcm_all(blocks)
+    if unitary:
+        if layout.prefix_match_unit not in (None, blocks[0]):
+            raise ValueError(f'prefix_match_unit {layout.prefix_match_unit} must equal the block {blocks[0]} of a single-group layout')
+        h = blocks[0]
+        partial = False
+        alignment = blocks[0]
+    else:
+        h = layout.prefix_match_unit if layout.prefix_match_unit is not None else gcd_all(blocks)
+        for i, b in enumerate(blocks):
+            if b % h != 0:
+                raise ValueError(f'group {i}: effective block {b} is not a multiple of the hash unit {h}')
+        partial = partial_hash_hits_enabled(layout, blocks, h)
+        alignment = h if partial else scheduler_block
+    flagged = any((g.eagle for g in layout.groups))
+    merged = []
+    for i, (g, b) in enumerate(zip(layout.groups, blocks)):
+        drops = speculation.drop and (g.eagle or not flagged)
+        key = (g.kind, b, g.window, g.chunk, g.dcp_sharded, g.tokens_per_state)
+        for j, (other_key, members, other_drops) in enumerate(merged):
+            if other_key == key:
+                merged[j] = (key, members + (i,), other_drops or drops)
+                break
+        else:
+            merged.append((key, (i,), drops))
+    groups = []
+    for (kind, b, window, chunk, _, _), members, drops in merged:
+        fine = alignment < b and b % alignment == 0 and fine_grained_capable(kind)
+        margin = h if partial and fine_grained_capable(kind) and (b > h) else b
+        groups.append(SpecGroup(kind, b, window, chunk, members, drops, margin, fine))
+    groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
+    for sg in groups:
+        if sg.drops and sg.kind is Kind.CHUNKED:
+            raise ValueError('EAGLE drop with chunked local attention is not supported (vLLM asserts drop_eagle_block is False for chunked local attention)')
+    for i, g in enumerate(layout.groups):
+        if alignment % g.tokens_per_state != 0:
+            raise ValueError(f'group {i}: hit alignment {alignment} is not a multiple of its tokens_per_state {g.tokens_per_state} (vLLM raises the same)')
+    if (flagged or speculation.drop) and speculation.prefill_lookahead > scheduler_block:
+        raise ValueError(f'scheduler block {scheduler_block} is shorter than the prefill lookahead {speculation.prefill_lookahead} (vLLM raises the same)')
+    return Sizes(scheduler_block, h, partial, alignment, blocks, tuple(groups), unitary, speculation.hash_lookahead, speculation.prefill_lookahead, speculation.drop, layout.dcp)
+
+def num_hashes(sizes: Sizes, n_tokens):
+    """``|H|``: block hashes a request of ``n_tokens`` has. With lookahead hashes a block's hash waits
+    for the ``L`` tokens after it. vLLM: ``get_request_block_hasher``."""
+    return max(0, (n_tokens - sizes.hash_lookahead) // sizes.hash_block)
+
+def hash_reach(sizes: Sizes, n_tokens):
+    """Tokens the hashes cover: ``|H| * h``; no lookup may read a boundary past it."""
+    return num_hashes(sizes, n_tokens) * sizes.hash_block
+
+def align(sizes: Sizes, x):
+    """``floor_A(x)``."""
+    return x // sizes.alignment * sizes.alignment
+
+
+# --------------------------------------------------------------------------------------------------
+# spec/cache.py
+# The cache state a lookup reads, as an oracle over token boundaries.
+#
+# A spec group ``k`` "has" boundary ``x`` when the block hash ending at token ``x`` is cached for every
+# KV-cache group of the spec group (vLLM: ``BlockPool.get_cached_block``). A block of ``u`` tokens with index
+# ``j`` is cached when boundary ``(j + 1) * u`` is. The Z3 lowering gives the same two queries a symbolic
+# meaning (:class:`kvhit.spec.lower_z3.SymbolicCache`); here they are plain loops over the oracle.
+# --------------------------------------------------------------------------------------------------
+
+class CacheState:
+    """Which boundaries each spec group can serve.
+
+    Args:
+        has: ``has(k, x)`` is True when spec group ``k`` holds the hash of the block ending at token ``x``.
+    """
+
+    def __init__(self, has):
+        self.has = has
+        self.max_query = 0
+
+    def _has(self, k, x):
+        if x > self.max_query:
+            self.max_query = x
+        return self.has(k, x)
+
+    def window(self, k, x, unit, before, after):
+        """Whether blocks ``[max(0, x // unit - before), x // unit + after)`` of ``unit`` tokens are all
+        cached in spec group ``k``: the context a window ending at ``x`` needs, plus ``after`` blocks past
+        it (the EAGLE peek)."""
+        i = x // unit
+        for j in range(max(0, i - before), i + after):
+            if not self._has(k, (j + 1) * unit):
+                return False
+        return True
+
+    def run_from(self, k, start, unit, limit):
+        """How many consecutive ``unit`` blocks from block ``start`` are cached, stopping at block
+        ``limit``."""
+        n = 0
+        while start + n < limit and self._has(k, (start + n + 1) * unit):
+            n += 1
+        return n
+
+    @classmethod
+    def from_sets(cls, boundaries):
+        """A cache from one set of cached boundaries per spec group."""
+        sets = [frozenset(s) for s in boundaries]
+        return cls(lambda k, x: x in sets[k])
+
+    @classmethod
+    def up_to(cls, extents):
+        """A dense cache: spec group ``k`` holds every boundary up to ``extents[k]`` tokens."""
+        ext = list(extents)
+        return cls(lambda k, x: 0 < x <= ext[k])
+
+
+# --------------------------------------------------------------------------------------------------
+# spec/policy.py
+# The hit-length policy: how many prompt tokens a request may take from the prefix cache.
+#
+# One model, several policies. The rules in which policies differ are the fields of :class:`Rules`; a
+# policy is a named combination of them (:data:`POLICIES`). Notation used in the docstrings:
+#
+# * ``N`` prompt tokens; ``M`` the most a lookup may return; ``A`` the alignment; ``h`` the hash unit;
+#   ``|H|`` the request's block hashes, so no lookup may read a boundary past ``|H| * h``.
+# * a lookup returns ``(hit, reach)``: the hit in tokens and the highest boundary it reads.
+# * a coordinator returns ``(hit, reach, longest, converged)``; ``longest`` is vLLM's largest intermediate
+#   candidate (``num_uncached_common_prefix_tokens = longest - hit``), ``converged`` whether the fixed-point
+#   loop stopped within the passes a lowering unrolled (always True in Python).
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rules:
+    """The rules in which the policies differ.
+
+    Attributes:
+        name: the policy's name.
+        declarative: the hit is the longest aligned length every group can serve (kvhit's reference);
+            otherwise vLLM's coordinators (Unitary lookup, Hybrid fixed-point loop) compute it.
+        last_token_recomputed: the hit is capped at ``N - 1`` so the last prompt token is recomputed for
+            its logits (vLLM ``get_computed_blocks``).
+        eagle_recompute: a dropping EAGLE group must hold one drop unit past the hit, which it recomputes.
+        eagle_margin: in the Hybrid loop an EAGLE group is looked up at ``candidate + margin`` (it peeks one
+            drop unit past the candidate) before it drops (vLLM 0.33); without it, at the candidate.
+        peek_within_hashes: that peek is capped at ``|H| * h``.
+        pop_after_peek: the lookup drops the peeked unit again.
+        drop_once: an EAGLE group drops once per lookup (vLLM's ``eagle_verified`` set); without it, it
+            drops again on every pass of the loop (vLLM #32802).
+        scale_replicated: DCP scales every group's block, sharded or not.
+    """
+    name: str
+    declarative: bool = False
+    last_token_recomputed: bool = True
+    eagle_recompute: bool = True
+    eagle_margin: bool = True
+    peek_within_hashes: bool = True
+    pop_after_peek: bool = True
+    drop_once: bool = True
+    scale_replicated: bool = False
+REFERENCE = Rules('reference', declarative=True)
+VLLM_0_33 = Rules('vllm_0_33')
+HISTORICAL = Rules('historical', eagle_margin=False)
+HISTORICAL_REPEAT_DROP = Rules('historical_repeat_drop', eagle_margin=False, drop_once=False)
+NO_LAST_TOKEN_CAP = replace(REFERENCE, name='no_last_token_cap', last_token_recomputed=False)
+EAGLE_NEVER_RECOMPUTES = replace(REFERENCE, name='eagle_never_recomputes', eagle_recompute=False)
+PEEK_WITHOUT_POP = replace(VLLM_0_33, name='peek_without_pop', pop_after_peek=False)
+PEEK_PAST_HASHES = replace(VLLM_0_33, name='peek_past_hashes', peek_within_hashes=False)
+DCP_SCALES_REPLICATED = replace(REFERENCE, name='dcp_scales_replicated', scale_replicated=True)
+POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
+KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED)}
+ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
+
+def max_cache_hit_length(n_tokens, rules: Rules):
+    """The most a hit may be: ``N - 1`` (vLLM ``KVCacheManager.get_computed_blocks``)."""
+    if rules.last_token_recomputed:
+        return n_tokens - 1
+    return n_tokens
+
+def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``FullAttentionManager.find_longest_cache_hit``.
+
+    Order: the leading run of cached blocks (at most ``M // b`` blocks and the hashes), then, when the group
+    is looked up at hash granularity, the highest cached boundary inside the next block; then the drop of
+    ``min(A, b)``; then alignment down to ``A``.
+    """
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    limit = min(max_length // b, hashes * sizes.hash_block // b)
+    run = cache.run_from(k, 0, b, limit)
+    hit = run * b
+    reach = limit * b
+    if sg.fine:
+        per_block = b // a
+        top = min(min(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
+        partial = max_aligned(a, top * a, lambda x: x > hit and cache.window(k, x, a, 1, 0))
+        hit = partial if partial > 0 else hit
+        reach = max(reach, top * a)
+    hit = hit - min(a, b) if drop and hit > 0 else hit
+    return (hit // a * a, reach)
+
+def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``SlidingWindowManager.find_longest_cache_hit`` (DCP 1).
+
+    Scans blocks from ``M // b`` down for the highest run of ``ceil((W - 1) / b)`` cached blocks (one more,
+    the EAGLE peek, when dropping) whose right edge passes the alignment gate (the edge, or when dropping
+    the edge minus the peek block, is a multiple of ``A``); the hit is that edge, minus the peek block when
+    dropping. With no such run (short prompts) it takes the run from block 0, aligns it, and, when
+    dropping, pops one block and aligns again. It reads from block ``M // b - 1`` without checking the
+    hashes: ``reach`` can pass ``|H| * h``, which raises ``IndexError`` in vLLM.
+    """
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    need = -(-(sg.window - 1) // b)
+    top = max_length // b * b
+    found_keep = max_aligned(a, top, lambda x: x >= need * b and cache.window(k, x, b, need, 0))
+    found_drop = max_aligned(a, top - b, lambda x: x >= need * b and cache.window(k, x, b, need, 1))
+    run = cache.run_from(k, 0, b, max_length // b) * b
+    short_keep = run // a * a
+    gated = ((run - b) // a * a + b if run >= b else 0) // a * a
+    short_drop = (gated - b) // a * a if gated > 0 else 0
+    keep = found_keep if found_keep > 0 else short_keep
+    dropped = found_drop if found_drop > 0 else short_drop
+    return (dropped if drop else keep, top)
+
+def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``MambaManager.find_longest_cache_hit``: the highest single cached state at an aligned
+    boundary at most ``M``; at hash granularity (capped by the hashes) when partial hits are on. It never
+    drops. Without partial hits it reads from block ``M // b - 1`` without checking the hashes."""
+    sg = sizes.groups[k]
+    a = sizes.alignment
+    if sg.fine:
+        top = min(max_length // a, hashes * sizes.hash_block // a) * a
+        return (max_aligned(a, top, lambda x: cache.window(k, x, a, 1, 0)), top)
+    top = max_length // sg.block * sg.block
+    return (max_aligned(a, top, lambda x: cache.window(k, x, sg.block, 1, 0)), top)
+
+def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
+    ``M`` count as computed; then the run of cached blocks from that chunk's first block up to ``M // b``.
+    Reads without checking the hashes."""
+    sg = sizes.groups[k]
+    b = sg.block
+    start = (max_length // sg.chunk * sg.chunk if max_length > 0 else 0) // b
+    end = max_length // b
+    run = cache.run_from(k, start, b, end)
+    reach = min(start + run + 1, end) * b if start < end else 0
+    return ((start + run) * b, reach)
+
+def lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """The lookup of spec group ``k``'s kind (vLLM: ``manager_cls.find_longest_cache_hit``)."""
+    kind = sizes.groups[k].kind
+    if kind is Kind.FULL:
+        return full_attention_lookup(cache, sizes, k, hashes, max_length, drop)
+    if kind is Kind.SWA:
+        return sliding_window_lookup(cache, sizes, k, hashes, max_length, drop)
+    if kind is Kind.MAMBA:
+        return mamba_lookup(cache, sizes, k, hashes, max_length, drop)
+    return chunked_local_lookup(cache, sizes, k, hashes, max_length, drop)
+
+def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """vLLM: ``UnitaryKVCacheCoordinator.find_longest_cache_hit``: one lookup at ``M = N - 1`` with
+    alignment = the block, dropping when the group is an EAGLE group. No eagle margin, no cap by the
+    hashes."""
+    hashes = num_hashes(sizes, n_tokens)
+    hit, reach = lookup(cache, sizes, 0, hashes, max_cache_hit_length(n_tokens, rules), sizes.groups[0].drops)
+    return (hit, reach, hit, True)
+
+def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, first, rules: Rules):
+    """One pass of vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` loop.
+
+    Spec groups in order (full attention first). A full-attention group is looked up on the first pass
+    only; later passes trim the candidate to its length (its cache is downward-closed). Any other group is
+    looked up at the candidate; an EAGLE group not yet verified peeks one margin past it (capped by the
+    hashes) and drops. A drop marks the group verified; a shrink by a lookup that did not drop clears
+    every verification.
+
+    Returns:
+        ``(candidate, verified, lengths, longest, reach)`` after the pass.
+    """
+    covered = hashes * sizes.hash_block
+    c = hit_length
+    verified = list(verified)
+    lengths = list(lengths)
+    longest = 0
+    reach = 0
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.FULL and (not first):
+            c = min(c, lengths[k])
+            continue
+        drop = sg.drops
+        if rules.drop_once:
+            drop = sg.drops and (not verified[k])
+        bound = c
+        if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
+            peek = c + sg.margin
+            if rules.peek_within_hashes:
+                peek = min(peek, covered)
+            bound = peek if drop else c
+        n, r = lookup(cache, sizes, k, hashes, bound, drop and rules.pop_after_peek)
+        cleared = not drop and n < c
+        verified = [False if cleared else v for v in verified]
+        verified[k] = verified[k] or drop
+        c = n
+        lengths[k] = n
+        longest = max(longest, c)
+        reach = max(reach, r)
+    return (c, tuple(verified), tuple(lengths), longest, reach)
+
+def is_simple(sizes: Sizes) -> bool:
+    """Two spec groups led by full attention: vLLM stops after one pass (its ``simple`` case)."""
+    return len(sizes.groups) == 2 and sizes.groups[0].kind is Kind.FULL
+
+def pass_bound(sizes: Sizes) -> int:
+    """How many passes the Z3 lowering unrolls (Python loops until the fixed point)."""
+    if is_simple(sizes):
+        return 1
+    return len(sizes.groups) + 1
+
+def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """vLLM: ``HybridKVCacheCoordinator.find_longest_cache_hit``: passes of :func:`hybrid_pass` from
+    ``M = N - 1`` until a pass no longer lowers the candidate, or after one pass when the layout is two
+    spec groups led by full attention (the ``simple`` case)."""
+    hashes = num_hashes(sizes, n_tokens)
+    simple = is_simple(sizes)
+    hit_length = max_cache_hit_length(n_tokens, rules)
+    verified = tuple((False for _ in sizes.groups))
+    lengths = tuple((0 for _ in sizes.groups))
+    longest = 0
+    reach = 0
+    done = False
+    for index in itertools.count():
+        c, new_verified, new_lengths, new_longest, new_reach = hybrid_pass(cache, sizes, hashes, hit_length, verified, lengths, index == 0, rules)
+        converged = c >= hit_length or simple
+        hit_length, verified, lengths, longest, reach = (hit_length, verified, lengths, longest, reach) if done else (hit_length if c >= hit_length else c, new_verified, new_lengths, max(longest, new_longest), max(reach, new_reach))
+        done = done or converged
+        if done:
+            break
+    return (hit_length, reach, longest, done)
+
+def full_attention_extent(cache, sizes: Sizes, k, reach):
+    """Tokens of spec group ``k``'s leading run of cached blocks, within the hashes."""
+    b = sizes.groups[k].block
+    return cache.run_from(k, 0, b, reach // b) * b
+
+def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
+    """Whether spec group ``k`` can serve a hit of ``x`` tokens (``x`` a multiple of ``A``).
+
+    * full attention: its cached prefix reaches ``x`` (``extent`` is its leading run), or at hash
+      granularity the boundary ``x`` inside the next block is cached;
+    * sliding window: the ``ceil((W - 1) / b)`` blocks before ``x`` are cached (fewer near the start);
+    * Mamba: the state at boundary ``x`` is cached;
+    * chunked local: the blocks from ``x``'s chunk start to ``x`` are cached.
+
+    A dropping EAGLE group must also hold its drop unit ``[x, x + margin)``, within the hashes: that unit
+    is what it recomputes. Mamba never drops (its checkpoints handle EAGLE on the write side).
+    """
+    sg = sizes.groups[k]
+    a = sizes.alignment
+    b = sg.block
+    unit = 0
+    if sg.drops and rules.eagle_recompute and (sg.kind is not Kind.MAMBA):
+        unit = sg.margin
+    if sg.kind is Kind.FULL:
+        ok = x + unit <= extent
+        if sg.fine:
+            ok = ok or (x + unit < extent + b and cache.window(k, x + unit, a, 1, 0))
+        return x + unit <= reach and ok
+    if sg.kind is Kind.SWA:
+        after = 1 if unit > 0 else 0
+        return x + unit <= reach and cache.window(k, x, b, -(-(sg.window - 1) // b), after)
+    if sg.kind is Kind.MAMBA:
+        if sg.fine:
+            return cache.window(k, x, a, 1, 0)
+        return cache.window(k, x, b, 1, 0)
+    return cache.window(k, x, b, x % sg.chunk // b, 0)
+
+def serves_all(cache, sizes: Sizes, x, extents, reach, rules: Rules):
+    """Whether every spec group can serve a hit of ``x`` tokens (see :func:`group_serves`)."""
+    ok = True
+    for k in range(len(sizes.groups)):
+        ok = ok and group_serves(cache, sizes, k, x, extents[k], reach, rules)
+    return ok
+
+def group_extents(cache, sizes: Sizes, reach):
+    """Each full-attention group's cached prefix (0 for other kinds, which do not use it)."""
+    extents = []
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.FULL:
+            extents.append(full_attention_extent(cache, sizes, k, reach))
+        else:
+            extents.append(0)
+    return tuple(extents)
+
+def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+    """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
+
+    Full-attention groups looked up at block granularity are downward-closed, so their cached prefix
+    bounds the scan from above before any candidate is tried.
+    """
+    top = bound
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.FULL and (not sg.fine):
+            top = min(top, extents[k])
+    return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
+
+def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """kvhit's reference policy: the longest hit that every group can serve, a multiple of ``A``, at most
+    ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
+    unit past it. A single chunked-local group keeps vLLM's lookup, which is already the longest."""
+    hashes = num_hashes(sizes, n_tokens)
+    reach = hashes * sizes.hash_block
+    cap = min(max_cache_hit_length(n_tokens, rules), reach)
+    if sizes.groups[0].kind is Kind.CHUNKED:
+        hit, _ = chunked_local_lookup(cache, sizes, 0, hashes, cap, False)
+        return (hit, reach, hit, True)
+    extents = group_extents(cache, sizes, reach)
+    hit = reference_pass(cache, sizes, cap, extents, reach, rules)
+    return (hit, reach, hit, True)
+
+def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """The hit of a request of ``n_tokens`` prompt tokens under ``rules``:
+    ``(hit, reach, longest, converged)``."""
+    if rules.declarative:
+        return reference_hit_tokens(cache, sizes, n_tokens, rules)
+    if sizes.unitary:
+        return unitary_hit_tokens(cache, sizes, n_tokens, rules)
+    return hybrid_hit_tokens(cache, sizes, n_tokens, rules)
+
+
+# --------------------------------------------------------------------------------------------------
+# spec/api.py
+# What an engine or a tool calls: sizes and hits by policy name.
+# --------------------------------------------------------------------------------------------------
+
+def policy_rules(policy):
+    """The rules of a policy given by name (``reference``, ``vllm_0_33``, ``historical``, ...)."""
+    if policy not in ALL_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(sorted(ALL_POLICIES))}")
+    return ALL_POLICIES[policy]
+
+def sizes_for(layout: Layout, speculation: Speculation, policy='reference') -> Sizes:
+    """Derived sizes of a layout under a policy."""
+    return derive_sizes(layout, speculation, policy_rules(policy).scale_replicated)
+
+def as_cache(cache):
+    """A :class:`CacheState` from a cache state, a list of boundary sets, or a list of extents."""
+    if isinstance(cache, CacheState):
+        return cache
+    cache = list(cache)
+    if all((isinstance(c, int) for c in cache)):
+        return CacheState.up_to(cache)
+    return CacheState.from_sets(cache)
+
+def hit(layout: Layout, speculation: Speculation, n_tokens: int, cache, policy='reference') -> int:
+    """The hit in tokens of a request of ``n_tokens`` prompt tokens.
+
+    Args:
+        cache: per spec group, either a :class:`CacheState` oracle, a set of cached boundaries, or an
+            extent (every boundary up to it cached).
+    """
+    if n_tokens < 1:
+        raise ValueError(f'a request needs at least one prompt token, got {n_tokens}')
+    rules = policy_rules(policy)
+    sizes = derive_sizes(layout, speculation, rules.scale_replicated)
+    return hit_tokens(as_cache(cache), sizes, n_tokens, rules)[0]

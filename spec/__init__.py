@@ -1,0 +1,1 @@
+"""kvhit's spec: one declarative model of vLLM's prefix-cache hit length, lowered to Z3 and to Python."""

@@ -1,0 +1,363 @@
+"""The hit-length policy: how many prompt tokens a request may take from the prefix cache.
+
+One model, several policies. The rules in which policies differ are the fields of :class:`Rules`; a
+policy is a named combination of them (:data:`POLICIES`). Notation used in the docstrings:
+
+* ``N`` prompt tokens; ``M`` the most a lookup may return; ``A`` the alignment; ``h`` the hash unit;
+  ``|H|`` the request's block hashes, so no lookup may read a boundary past ``|H| * h``.
+* a lookup returns ``(hit, reach)``: the hit in tokens and the highest boundary it reads.
+* a coordinator returns ``(hit, reach, longest, converged)``; ``longest`` is vLLM's largest intermediate
+  candidate (``num_uncached_common_prefix_tokens = longest - hit``), ``converged`` whether the fixed-point
+  loop stopped within the passes a lowering unrolled (always True in Python).
+"""
+
+from dataclasses import dataclass, replace
+
+from .domain import Kind
+from .sizes import Sizes, num_hashes
+from .terms import and_, cdiv, floor_to, ite, max_, max_aligned, min_, not_, or_, passes, stop
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The rules in which the policies differ.
+
+    Attributes:
+        name: the policy's name.
+        declarative: the hit is the longest aligned length every group can serve (kvhit's reference);
+            otherwise vLLM's coordinators (Unitary lookup, Hybrid fixed-point loop) compute it.
+        last_token_recomputed: the hit is capped at ``N - 1`` so the last prompt token is recomputed for
+            its logits (vLLM ``get_computed_blocks``).
+        eagle_recompute: a dropping EAGLE group must hold one drop unit past the hit, which it recomputes.
+        eagle_margin: in the Hybrid loop an EAGLE group is looked up at ``candidate + margin`` (it peeks one
+            drop unit past the candidate) before it drops (vLLM 0.33); without it, at the candidate.
+        peek_within_hashes: that peek is capped at ``|H| * h``.
+        pop_after_peek: the lookup drops the peeked unit again.
+        drop_once: an EAGLE group drops once per lookup (vLLM's ``eagle_verified`` set); without it, it
+            drops again on every pass of the loop (vLLM #32802).
+        scale_replicated: DCP scales every group's block, sharded or not.
+    """
+
+    name: str
+    declarative: bool = False
+    last_token_recomputed: bool = True
+    eagle_recompute: bool = True
+    eagle_margin: bool = True
+    peek_within_hashes: bool = True
+    pop_after_peek: bool = True
+    drop_once: bool = True
+    scale_replicated: bool = False
+
+
+REFERENCE = Rules("reference", declarative=True)
+VLLM_0_33 = Rules("vllm_0_33")
+HISTORICAL = Rules("historical", eagle_margin=False)
+
+# Known-bad variants: each breaks one rule, to show that the invariant guarding that rule can fail.
+HISTORICAL_REPEAT_DROP = Rules("historical_repeat_drop", eagle_margin=False, drop_once=False)
+NO_LAST_TOKEN_CAP = replace(REFERENCE, name="no_last_token_cap", last_token_recomputed=False)
+EAGLE_NEVER_RECOMPUTES = replace(REFERENCE, name="eagle_never_recomputes", eagle_recompute=False)
+PEEK_WITHOUT_POP = replace(VLLM_0_33, name="peek_without_pop", pop_after_peek=False)
+PEEK_PAST_HASHES = replace(VLLM_0_33, name="peek_past_hashes", peek_within_hashes=False)
+DCP_SCALES_REPLICATED = replace(REFERENCE, name="dcp_scales_replicated", scale_replicated=True)
+
+POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
+KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
+                                 PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED)}
+ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
+
+
+def max_cache_hit_length(n_tokens, rules: Rules):
+    """The most a hit may be: ``N - 1`` (vLLM ``KVCacheManager.get_computed_blocks``)."""
+    if rules.last_token_recomputed:
+        return n_tokens - 1
+    return n_tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-kind lookups, as vLLM 0.33 does them
+# ----------------------------------------------------------------------------------------------------
+
+
+def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``FullAttentionManager.find_longest_cache_hit``.
+
+    Order: the leading run of cached blocks (at most ``M // b`` blocks and the hashes), then, when the group
+    is looked up at hash granularity, the highest cached boundary inside the next block; then the drop of
+    ``min(A, b)``; then alignment down to ``A``.
+    """
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    limit = min_(max_length // b, hashes * sizes.hash_block // b)
+    run = cache.run_from(k, 0, b, limit)
+    hit = run * b
+    reach = limit * b
+    if sg.fine:
+        per_block = b // a
+        top = min_(min_(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
+        partial = max_aligned(a, top * a, lambda x: and_(x > hit, cache.window(k, x, a, 1, 0)))
+        hit = ite(partial > 0, partial, hit)
+        reach = max_(reach, top * a)
+    hit = ite(and_(drop, hit > 0), hit - min(a, b), hit)
+    return floor_to(hit, a), reach
+
+
+def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``SlidingWindowManager.find_longest_cache_hit`` (DCP 1).
+
+    Scans blocks from ``M // b`` down for the highest run of ``ceil((W - 1) / b)`` cached blocks (one more,
+    the EAGLE peek, when dropping) whose right edge passes the alignment gate (the edge, or when dropping
+    the edge minus the peek block, is a multiple of ``A``); the hit is that edge, minus the peek block when
+    dropping. With no such run (short prompts) it takes the run from block 0, aligns it, and, when
+    dropping, pops one block and aligns again. It reads from block ``M // b - 1`` without checking the
+    hashes: ``reach`` can pass ``|H| * h``, which raises ``IndexError`` in vLLM.
+    """
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    need = cdiv(sg.window - 1, b)
+    top = max_length // b * b
+    found_keep = max_aligned(a, top, lambda x: and_(x >= need * b, cache.window(k, x, b, need, 0)))
+    found_drop = max_aligned(a, top - b, lambda x: and_(x >= need * b, cache.window(k, x, b, need, 1)))
+    run = cache.run_from(k, 0, b, max_length // b) * b
+    short_keep = floor_to(run, a)
+    gated = floor_to(ite(run >= b, floor_to(run - b, a) + b, 0), a)
+    short_drop = ite(gated > 0, floor_to(gated - b, a), 0)
+    keep = ite(found_keep > 0, found_keep, short_keep)
+    dropped = ite(found_drop > 0, found_drop, short_drop)
+    return ite(drop, dropped, keep), top
+
+
+def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``MambaManager.find_longest_cache_hit``: the highest single cached state at an aligned
+    boundary at most ``M``; at hash granularity (capped by the hashes) when partial hits are on. It never
+    drops. Without partial hits it reads from block ``M // b - 1`` without checking the hashes."""
+    sg = sizes.groups[k]
+    a = sizes.alignment
+    if sg.fine:
+        top = min_(max_length // a, hashes * sizes.hash_block // a) * a
+        return max_aligned(a, top, lambda x: cache.window(k, x, a, 1, 0)), top
+    top = max_length // sg.block * sg.block
+    return max_aligned(a, top, lambda x: cache.window(k, x, sg.block, 1, 0)), top
+
+
+def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
+    ``M`` count as computed; then the run of cached blocks from that chunk's first block up to ``M // b``.
+    Reads without checking the hashes."""
+    sg = sizes.groups[k]
+    b = sg.block
+    start = ite(max_length > 0, floor_to(max_length, sg.chunk), 0) // b
+    end = max_length // b
+    run = cache.run_from(k, start, b, end)
+    reach = ite(start < end, min_(start + run + 1, end) * b, 0)
+    return (start + run) * b, reach
+
+
+def lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+    """The lookup of spec group ``k``'s kind (vLLM: ``manager_cls.find_longest_cache_hit``)."""
+    kind = sizes.groups[k].kind
+    if kind is Kind.FULL:
+        return full_attention_lookup(cache, sizes, k, hashes, max_length, drop)
+    if kind is Kind.SWA:
+        return sliding_window_lookup(cache, sizes, k, hashes, max_length, drop)
+    if kind is Kind.MAMBA:
+        return mamba_lookup(cache, sizes, k, hashes, max_length, drop)
+    return chunked_local_lookup(cache, sizes, k, hashes, max_length, drop)
+
+
+# ----------------------------------------------------------------------------------------------------
+# vLLM's coordinators
+# ----------------------------------------------------------------------------------------------------
+
+
+def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """vLLM: ``UnitaryKVCacheCoordinator.find_longest_cache_hit``: one lookup at ``M = N - 1`` with
+    alignment = the block, dropping when the group is an EAGLE group. No eagle margin, no cap by the
+    hashes."""
+    hashes = num_hashes(sizes, n_tokens)
+    hit, reach = lookup(cache, sizes, 0, hashes, max_cache_hit_length(n_tokens, rules), sizes.groups[0].drops)
+    return hit, reach, hit, True
+
+
+def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, first, rules: Rules):
+    """One pass of vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` loop.
+
+    Spec groups in order (full attention first). A full-attention group is looked up on the first pass
+    only; later passes trim the candidate to its length (its cache is downward-closed). Any other group is
+    looked up at the candidate; an EAGLE group not yet verified peeks one margin past it (capped by the
+    hashes) and drops. A drop marks the group verified; a shrink by a lookup that did not drop clears
+    every verification.
+
+    Returns:
+        ``(candidate, verified, lengths, longest, reach)`` after the pass.
+    """
+    covered = hashes * sizes.hash_block
+    c = hit_length
+    verified = list(verified)
+    lengths = list(lengths)
+    longest = 0
+    reach = 0
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.FULL and not first:
+            c = min_(c, lengths[k])
+            continue
+        drop = sg.drops
+        if rules.drop_once:
+            drop = and_(sg.drops, not_(verified[k]))
+        bound = c
+        if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
+            peek = c + sg.margin
+            if rules.peek_within_hashes:
+                peek = min_(peek, covered)
+            bound = ite(drop, peek, c)
+        n, r = lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek))
+        cleared = and_(not_(drop), n < c)
+        verified = [ite(cleared, False, v) for v in verified]
+        verified[k] = or_(verified[k], drop)
+        c = n
+        lengths[k] = n
+        longest = max_(longest, c)
+        reach = max_(reach, r)
+    return c, tuple(verified), tuple(lengths), longest, reach
+
+
+def is_simple(sizes: Sizes) -> bool:
+    """Two spec groups led by full attention: vLLM stops after one pass (its ``simple`` case)."""
+    return len(sizes.groups) == 2 and sizes.groups[0].kind is Kind.FULL
+
+
+def pass_bound(sizes: Sizes) -> int:
+    """How many passes the Z3 lowering unrolls (Python loops until the fixed point)."""
+    if is_simple(sizes):
+        return 1
+    return len(sizes.groups) + 1
+
+
+def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """vLLM: ``HybridKVCacheCoordinator.find_longest_cache_hit``: passes of :func:`hybrid_pass` from
+    ``M = N - 1`` until a pass no longer lowers the candidate, or after one pass when the layout is two
+    spec groups led by full attention (the ``simple`` case)."""
+    hashes = num_hashes(sizes, n_tokens)
+    simple = is_simple(sizes)
+    hit_length = max_cache_hit_length(n_tokens, rules)
+    verified = tuple(False for _ in sizes.groups)
+    lengths = tuple(0 for _ in sizes.groups)
+    longest = 0
+    reach = 0
+    done = False
+    for index in passes(pass_bound(sizes)):
+        c, new_verified, new_lengths, new_longest, new_reach = hybrid_pass(
+            cache, sizes, hashes, hit_length, verified, lengths, index == 0, rules)
+        converged = or_(c >= hit_length, simple)
+        hit_length, verified, lengths, longest, reach = ite(
+            done,
+            (hit_length, verified, lengths, longest, reach),
+            (ite(c >= hit_length, hit_length, c), new_verified, new_lengths,
+             max_(longest, new_longest), max_(reach, new_reach)))
+        done = or_(done, converged)
+        if stop(done):
+            break
+    return hit_length, reach, longest, done
+
+
+# ----------------------------------------------------------------------------------------------------
+# kvhit's reference: the longest aligned length that every group can serve
+# ----------------------------------------------------------------------------------------------------
+
+
+def full_attention_extent(cache, sizes: Sizes, k, reach):
+    """Tokens of spec group ``k``'s leading run of cached blocks, within the hashes."""
+    b = sizes.groups[k].block
+    return cache.run_from(k, 0, b, reach // b) * b
+
+
+def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
+    """Whether spec group ``k`` can serve a hit of ``x`` tokens (``x`` a multiple of ``A``).
+
+    * full attention: its cached prefix reaches ``x`` (``extent`` is its leading run), or at hash
+      granularity the boundary ``x`` inside the next block is cached;
+    * sliding window: the ``ceil((W - 1) / b)`` blocks before ``x`` are cached (fewer near the start);
+    * Mamba: the state at boundary ``x`` is cached;
+    * chunked local: the blocks from ``x``'s chunk start to ``x`` are cached.
+
+    A dropping EAGLE group must also hold its drop unit ``[x, x + margin)``, within the hashes: that unit
+    is what it recomputes. Mamba never drops (its checkpoints handle EAGLE on the write side).
+    """
+    sg = sizes.groups[k]
+    a = sizes.alignment
+    b = sg.block
+    unit = 0
+    if sg.drops and rules.eagle_recompute and sg.kind is not Kind.MAMBA:
+        unit = sg.margin
+    if sg.kind is Kind.FULL:
+        ok = x + unit <= extent
+        if sg.fine:
+            ok = or_(ok, and_(x + unit < extent + b, cache.window(k, x + unit, a, 1, 0)))
+        return and_(x + unit <= reach, ok)
+    if sg.kind is Kind.SWA:
+        after = 1 if unit > 0 else 0
+        return and_(x + unit <= reach, cache.window(k, x, b, cdiv(sg.window - 1, b), after))
+    if sg.kind is Kind.MAMBA:
+        if sg.fine:
+            return cache.window(k, x, a, 1, 0)
+        return cache.window(k, x, b, 1, 0)
+    return cache.window(k, x, b, x % sg.chunk // b, 0)
+
+
+def serves_all(cache, sizes: Sizes, x, extents, reach, rules: Rules):
+    """Whether every spec group can serve a hit of ``x`` tokens (see :func:`group_serves`)."""
+    ok = True
+    for k in range(len(sizes.groups)):
+        ok = and_(ok, group_serves(cache, sizes, k, x, extents[k], reach, rules))
+    return ok
+
+
+def group_extents(cache, sizes: Sizes, reach):
+    """Each full-attention group's cached prefix (0 for other kinds, which do not use it)."""
+    extents = []
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.FULL:
+            extents.append(full_attention_extent(cache, sizes, k, reach))
+        else:
+            extents.append(0)
+    return tuple(extents)
+
+
+def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+    """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
+
+    Full-attention groups looked up at block granularity are downward-closed, so their cached prefix
+    bounds the scan from above before any candidate is tried.
+    """
+    top = bound
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.FULL and not sg.fine:
+            top = min_(top, extents[k])
+    return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
+
+
+def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """kvhit's reference policy: the longest hit that every group can serve, a multiple of ``A``, at most
+    ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
+    unit past it. A single chunked-local group keeps vLLM's lookup, which is already the longest."""
+    hashes = num_hashes(sizes, n_tokens)
+    reach = hashes * sizes.hash_block
+    cap = min_(max_cache_hit_length(n_tokens, rules), reach)
+    if sizes.groups[0].kind is Kind.CHUNKED:
+        hit, _ = chunked_local_lookup(cache, sizes, 0, hashes, cap, False)
+        return hit, reach, hit, True
+    extents = group_extents(cache, sizes, reach)
+    hit = reference_pass(cache, sizes, cap, extents, reach, rules)
+    return hit, reach, hit, True
+
+
+def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """The hit of a request of ``n_tokens`` prompt tokens under ``rules``:
+    ``(hit, reach, longest, converged)``."""
+    if rules.declarative:
+        return reference_hit_tokens(cache, sizes, n_tokens, rules)
+    if sizes.unitary:
+        return unitary_hit_tokens(cache, sizes, n_tokens, rules)
+    return hybrid_hit_tokens(cache, sizes, n_tokens, rules)

@@ -1,0 +1,348 @@
+"""The term language the policy is written in.
+
+The policy in :mod:`kvhit.spec.policy` is ordinary Python over a handful of operators. Each operator has
+exactly one entry in :data:`OPERATORS`, which says how it behaves in each of the two lowerings:
+
+* **Python** (the concrete interpreter and the generated ``refimpl``): integers and booleans. The
+  ``source`` template is what :mod:`kvhit.spec.codegen` writes into ``refimpl`` in place of the call.
+* **Z3** (:mod:`kvhit.spec.lower_z3`): the same spec functions are *executed* with :class:`Term` values,
+  which wrap Z3 expressions. Layout quantities (block sizes, windows, DCP size) stay concrete Python ints;
+  request state (prompt length, cache state) is symbolic.
+
+Two rules keep the lowerings honest:
+
+* A symbolic value in a Python ``if``/``and``/``or``/``not`` raises :class:`SymbolicBranchError`
+  (``Term.__bool__``), so a branch can never be silently picked at lowering time. Branch with :func:`ite`.
+* Division is only by a concrete positive integer. Z3's integer division equals Python's ``//`` only for
+  positive divisors, so the obligation "divisor > 0" is discharged when the term is built, not assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import runtime
+
+
+class SpecError(Exception):
+    """The spec used the term language in a way neither lowering supports."""
+
+
+class SymbolicBranchError(SpecError):
+    """A symbolic value reached a Python branch; use ``ite`` instead."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Symbolic values (used only by the Z3 lowering)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _z3():
+    import z3  # imported lazily: the concrete interpreter and refimpl never need it
+
+    return z3
+
+
+class Term:
+    """A symbolic integer or boolean: a Z3 expression ``e`` times a known positive integer ``scale``.
+
+    Positions in the policy are mostly multiples of block sizes. Keeping the factor out of the expression
+    lets ``(1600 * s) // 1600`` lower to ``s`` instead of a Z3 division, which the solver would otherwise
+    have to reason about; divisions that remain are by the smallest possible constant.
+    """
+
+    __slots__ = ("e", "scale")
+
+    def __init__(self, e, scale: int = 1):
+        self.e = e
+        self.scale = scale
+
+    @property
+    def z(self):
+        """The Z3 expression of the value."""
+        return self.e if self.scale == 1 else self.e * self.scale
+
+    def __bool__(self):
+        raise SymbolicBranchError(
+            f"symbolic value {self.z} used in a Python branch; write the choice with ite()")
+
+    def __repr__(self):
+        return f"Term({self.z})"
+
+    # arithmetic --------------------------------------------------------------------------------------
+    def __add__(self, o):
+        a, b, g = _common(self, o)
+        return Term(a + b, g)
+
+    def __radd__(self, o):
+        return self.__add__(o)
+
+    def __sub__(self, o):
+        a, b, g = _common(self, o)
+        return Term(a - b, g)
+
+    def __rsub__(self, o):
+        a, b, g = _common(self, o)
+        return Term(b - a, g)
+
+    def __mul__(self, o):
+        if isinstance(o, Term):
+            return Term(self.z * o.z)
+        if not isinstance(o, int) or isinstance(o, bool):
+            raise SpecError(f"cannot multiply a term by {o!r}")
+        if o == 0:
+            return Term(_z3().IntVal(0))
+        if o < 0:
+            return Term(-self.e, self.scale * -o)
+        return Term(self.e, self.scale * o)
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return Term(-self.e, self.scale)
+
+    def __floordiv__(self, o):
+        d = _positive_divisor(o)
+        g = math.gcd(self.scale, d)
+        scale, d = self.scale // g, d // g
+        if d == 1:
+            return Term(self.e, scale)
+        return Term((self.e if scale == 1 else self.e * scale) / d)
+
+    def __rfloordiv__(self, o):
+        raise SpecError(f"division by the symbolic value {self.z}; divisors must be concrete")
+
+    def __mod__(self, o):
+        return self - (self // o) * o
+
+    def __rmod__(self, o):
+        raise SpecError(f"modulo by the symbolic value {self.z}; divisors must be concrete")
+
+    # comparisons -------------------------------------------------------------------------------------
+    def __lt__(self, o):
+        return _cmp(self, o, "lt")
+
+    def __le__(self, o):
+        return _cmp(self, o, "le")
+
+    def __gt__(self, o):
+        return _cmp(self, o, "gt")
+
+    def __ge__(self, o):
+        return _cmp(self, o, "ge")
+
+    __hash__ = None  # equality is eq(), never ==
+
+
+def _as_term(v) -> Term:
+    if isinstance(v, Term):
+        return v
+    if isinstance(v, bool):
+        return Term(_z3().BoolVal(v))
+    if isinstance(v, int):  # 0 has every scale (gcd(s, 0) == s)
+        return Term(_z3().IntVal(1 if v > 0 else -1), abs(v)) if v else Term(_z3().IntVal(0), 0)
+    return Term(_zv(v))
+
+
+def _common(a, b):
+    """Both values as Z3 expressions over their largest common scale: ``(ea, eb, scale)``."""
+    a, b = _as_term(a), _as_term(b)
+    g = math.gcd(a.scale, b.scale)
+    ea = a.e if a.scale == g else a.e * (a.scale // g)
+    eb = b.e if b.scale == g else b.e * (b.scale // g)
+    return ea, eb, g
+
+
+def _positive_divisor(d) -> int:
+    if isinstance(d, Term):
+        raise SpecError(f"division by the symbolic value {d.z}; divisors must be concrete")
+    if not isinstance(d, int) or d <= 0:
+        raise SpecError(f"division by {d!r}: the divisor must be a positive integer")
+    return d
+
+
+def _zv(v):
+    """The Z3 form of a value (Term, int, bool or a Z3 expression)."""
+    z3 = _z3()
+    if isinstance(v, Term):
+        return v.z
+    if isinstance(v, bool):
+        return z3.BoolVal(v)
+    if isinstance(v, int):
+        return z3.IntVal(v)
+    if isinstance(v, z3.ExprRef):
+        return v
+    raise SpecError(f"cannot lower {v!r} to Z3")
+
+
+def _cmp(a, b, op):
+    # The scan variable of max_aligned compares into a predicate set, not a boolean.
+    for v in (a, b):
+        hook = getattr(v, "__kvhit_compare__", None)
+        if hook is not None and not isinstance(v, Term):
+            return hook(a, b, op)
+    za, zb, _ = _common(a, b)
+    return Term({"lt": za < zb, "le": za <= zb, "gt": za > zb, "ge": za >= zb, "eq": za == zb}[op])
+
+
+def is_symbolic(*vals) -> bool:
+    return any(isinstance(v, Term) or hasattr(v, "__kvhit_set__") for v in vals)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The operators. Concrete behaviour is plain Python; each lowers to Z3 and to Python source.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Operator:
+    """One operator of the term language.
+
+    Attributes:
+        name: the name the spec calls it by.
+        source: how codegen writes a call in ``refimpl`` (``{0}``, ``{1}``, ... are the argument sources).
+        doc: one line for the README's operator table.
+    """
+
+    name: str
+    source: str
+    doc: str
+
+
+OPERATORS: dict[str, Operator] = {}
+
+
+def _operator(source: str, doc: str):
+    def register(fn: Callable) -> Callable:
+        OPERATORS[fn.__name__] = Operator(fn.__name__, source, doc)
+        return fn
+
+    return register
+
+
+@_operator("({1} if {0} else {2})", "if-then-else; both branches must have the same shape")
+def ite(cond, then, other):
+    """``then`` if ``cond`` else ``other``. Tuples are chosen element-wise in Z3."""
+    if not is_symbolic(cond):
+        return then if cond else other
+    if isinstance(then, tuple):
+        return tuple(ite(cond, t, o) for t, o in zip(then, other, strict=True))
+    z3 = _z3()
+    if isinstance(then, bool) or isinstance(other, bool) or z3.is_bool(_zv(then)):
+        return Term(z3.If(_zv(cond), _zv(then), _zv(other)))
+    a, b, g = _common(then, other)
+    return Term(z3.If(_zv(cond), a, b), g)
+
+
+@_operator("min({0}, {1})", "minimum of two integers")
+def min_(a, b):
+    if not is_symbolic(a, b):
+        return min(a, b)
+    return ite(a <= b, a, b)
+
+
+@_operator("max({0}, {1})", "maximum of two integers")
+def max_(a, b):
+    if not is_symbolic(a, b):
+        return max(a, b)
+    return ite(a >= b, a, b)
+
+
+@_operator("(-(-({0}) // ({1})))", "ceiling division by a concrete positive integer")
+def cdiv(a, b):
+    _positive_divisor(b)
+    return -((-a) // b)
+
+
+@_operator("(({0}) // ({1}) * ({1}))", "round down to a multiple of a concrete positive integer")
+def floor_to(a, unit):
+    _positive_divisor(unit)
+    return a // unit * unit
+
+
+@_operator("(({0}) == ({1}))", "integer equality")
+def eq(a, b):
+    if not is_symbolic(a, b):
+        return a == b
+    return _cmp(a, b, "eq")
+
+
+@_operator("({0} and {1})", "conjunction")
+def and_(a, b):
+    if not is_symbolic(a, b):
+        return a and b
+    hook = getattr(a, "__kvhit_set__", None) or getattr(b, "__kvhit_set__", None)
+    if hook is not None:
+        return hook("and", a, b)
+    z3 = _z3()
+    return Term(z3.And(_zv(a), _zv(b)))
+
+
+@_operator("({0} or {1})", "disjunction")
+def or_(a, b):
+    if not is_symbolic(a, b):
+        return a or b
+    hook = getattr(a, "__kvhit_set__", None) or getattr(b, "__kvhit_set__", None)
+    if hook is not None:
+        return hook("or", a, b)
+    z3 = _z3()
+    return Term(z3.Or(_zv(a), _zv(b)))
+
+
+@_operator("(not {0})", "negation (not of a predicate on a scan variable)")
+def not_(a):
+    if not is_symbolic(a):
+        return not a
+    if hasattr(a, "__kvhit_set__"):
+        raise SpecError("negating a predicate of the max_aligned scan variable is not supported")
+    z3 = _z3()
+    return Term(z3.Not(_zv(a)))
+
+
+@_operator("max_aligned({0}, {1}, {2})",
+           "largest positive multiple of a step, at most a bound, satisfying a predicate (else 0)")
+def max_aligned(step: int, hi, pred: Callable[[Any], Any]):
+    """The largest ``x = k * step`` with ``0 < x <= hi`` and ``pred(x)``, or 0 if there is none.
+
+    This is the one place the policy searches: every lookup in vLLM scans candidate boundaries from the top
+    down and stops at the first one its cache can serve. In Python it is that scan; in Z3 the predicate is
+    lowered to a finite union of intervals of ``x`` and the maximum is taken in closed form (no quantifier).
+    """
+    _positive_divisor(step)
+    if is_symbolic(hi):
+        from .lower_z3 import symbolic_max_aligned
+
+        return symbolic_max_aligned(step, hi, pred)
+    return runtime.max_aligned(step, hi, pred)
+
+
+def passes(bound: int):
+    """The passes of a fixed-point loop: unbounded in Python, ``bound`` unrolled passes in Z3.
+
+    The loop body must guard its state with ``ite`` on a ``done`` flag and leave with ``if stop(done):
+    break``; in Z3 ``stop`` never breaks, so the unrolled passes after convergence change nothing.
+    """
+    import itertools
+
+    if _LOWERING.get("z3"):
+        return range(bound)
+    return itertools.count()
+
+
+def stop(done) -> bool:
+    """True when a fixed-point loop may leave (Python); never in Z3 (see :func:`passes`)."""
+    if is_symbolic(done):
+        return False
+    return bool(done)
+
+
+OPERATORS["passes"] = Operator("passes", "itertools.count()", "passes of a fixed-point loop")
+OPERATORS["stop"] = Operator("stop", "{0}", "leave a fixed-point loop once done")
+
+# Set by the Z3 lowering while it executes the spec.
+_LOWERING: dict[str, Any] = {}
+
+lcm_all = runtime.lcm_all
+gcd_all = runtime.gcd_all

@@ -1,0 +1,49 @@
+"""Bad input gets a ValueError that names the problem."""
+
+import pytest
+
+from kvhit.refimpl import Group, Layout, Speculation, derive_sizes, hit
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Group("full", 0), "block_size must be positive"),
+    (lambda: Group("full", -16), "block_size must be positive"),
+    (lambda: Group("swa", 32), "needs a window"),
+    (lambda: Group("swa", 32, window=0), "sliding window must be positive"),
+    (lambda: Group("chunked", 16, chunk=64, eagle=True), "EAGLE group in chunked local attention"),
+    (lambda: Group("mamba", 64, dcp_sharded=True), "cannot be DCP-sharded"),
+    (lambda: Group("attention", 16), "is not a valid Kind"),
+    (lambda: Layout(()), "at least one KV-cache group"),
+    (lambda: Layout((Group("full", 64), Group("swa", 32, window=128)), dcp=2),
+     "DCP 2 with a sharded swa group"),
+    (lambda: Speculation("drop", 0), "num_speculative_tokens must be positive"),
+    (lambda: Speculation("eagle", 1), "is not a valid Mode"),
+])
+def test_bad_layouts_are_refused_with_a_named_problem(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_block_sizes_the_hash_unit_does_not_divide_are_refused():
+    layout = Layout((Group("full", 1600), Group("mamba", 1600)), prefix_match_unit=96)
+    with pytest.raises(ValueError, match="effective block 1600 is not a multiple of the hash unit 96"):
+        derive_sizes(layout, Speculation())
+
+
+def test_scheduler_block_shorter_than_the_prefill_lookahead_is_refused():
+    layout = Layout((Group("full", 16, eagle=True),))
+    with pytest.raises(ValueError, match="shorter than the prefill lookahead 17"):
+        derive_sizes(layout, Speculation("drop", 17, multi_module_mtp=True))
+
+
+def test_eagle_drop_with_chunked_local_attention_is_refused():
+    with pytest.raises(ValueError, match="EAGLE drop with chunked local attention"):
+        derive_sizes(Layout((Group("chunked", 16, chunk=64),)), Speculation("drop", 1))
+
+
+def test_non_positive_prompts_and_unknown_policies_are_refused():
+    layout = Layout((Group("full", 16),))
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        hit(layout, Speculation(), 0, [0])
+    with pytest.raises(ValueError, match="unknown policy 'vllm'"):
+        hit(layout, Speculation(), 10, [10], policy="vllm")
