@@ -2,8 +2,36 @@
 
 Each entry is a finding: a property the policy does not have, with the reason. A verdict that differs from
 this table fails ``make prove``. The counterexamples are in ``tests/vectors/hit_tokens/`` and each one is
-pinned by a regression test.
+pinned by a regression test. Findings on ``vllm_0_33`` are candidate vLLM bugs, to be confirmed on the
+real engine by the conformance suite.
 """
 
+# F1: vLLM 0.33's sliding-window, chunked-local and block-granular Mamba lookups read block hashes up to
+#     M // b without checking how many exist. M is N - 1 but only (N - L) // h hashes exist, so with
+#     L >= 2 lookahead tokens (multi-module MTP) a layout without a full-attention group to cap the
+#     candidate reads past the hashes: IndexError in vLLM (seen on vLLM 0.33.0: one SWA(16, window 64)
+#     group, L = 2, N = 33). In the model the read returns whatever the cache holds past the hashes, so the
+#     same inputs also break the cap and validity.
+F1 = "reads past the block hashes when L >= 2 (IndexError in vLLM)"
+# F2: the Unitary coordinator looks up at N - 1 and then drops a whole block, even when the dropped block
+#     is cached within the hashes (N a multiple of the block): one block lost per repeat (vLLM 0.33.0,
+#     full attention block 16, N = 1024, drop mode: 992 where 1008 is safe; the Hybrid coordinator's
+#     eagle margin already gets 1008).
+F2 = "Unitary drop loses one block more than the drop unit"
+# F3: the historical Hybrid loop looks an EAGLE group up at the aligned candidate and re-aligns after the
+#     drop, so one drop unit becomes a whole alignment unit (DeepSeek-V4: 32768 -> 16384).
+F3 = "drop at the aligned candidate, then re-align (the DeepSeek-V4 report)"
+
 EXPECTED = {
+    ("hit_is_aligned_and_capped", "vllm_0_33"): ("REFUTED", F1),
+    ("lookup_stays_within_hashes", "vllm_0_33"): ("REFUTED", F1),
+    ("hit_is_valid_in_every_group", "vllm_0_33"): ("REFUTED", F1),
+    ("hit_is_the_longest_valid", "vllm_0_33"): ("REFUTED", F2),
+    ("eagle_loses_at_most_one_block_beyond_alignment", "vllm_0_33"): ("REFUTED", F2),
+    ("hit_is_aligned_and_capped", "historical"): ("REFUTED", F1),
+    ("lookup_stays_within_hashes", "historical"): ("REFUTED", F1),
+    ("hit_is_valid_in_every_group", "historical"): ("REFUTED", F1),
+    ("hit_is_the_longest_valid", "historical"): ("REFUTED", F2 + "; " + F3),
+    ("eagle_loses_at_most_one_block_beyond_alignment", "historical"): ("REFUTED", F2 + "; " + F3),
+    ("eagle_loses_at_most_one_block_beyond_alignment@dsv4_report_46240", "historical"): ("REFUTED", F3),
 }

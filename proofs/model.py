@@ -118,9 +118,12 @@ class _Context:
         sizes = self.sizes(speculation)
         out = True
         for k, sg in enumerate(sizes.groups):
-            unit = sizes.alignment if (sg.kind is Kind.MAMBA and sg.fine) else sg.block
-            blocks = extent // unit
-            out = spec_policy.and_(out, self.cache.run_from(k, 0, unit, blocks) >= blocks)
+            units = [sizes.alignment] if sg.kind is Kind.MAMBA and sg.fine else [sg.block]
+            if sg.kind is Kind.FULL and sg.fine:
+                units.append(sizes.alignment)  # the boundaries inside a block, for partial hits
+            for unit in units:
+                blocks = extent // unit
+                out = spec_policy.and_(out, self.cache.run_from(k, 0, unit, blocks) >= blocks)
         return out
 
 
@@ -255,7 +258,9 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex)``."""
     start = time.perf_counter()
     with lowering():
-        ctx = SymbolicContext(config, rules, runs_needed(invariant, rules, config))
+        # A scenario's cache holds every block up to the hashes (one run) and no lookup reads past them.
+        runs = 1 if scenario is not None else runs_needed(invariant, rules, config)
+        ctx = SymbolicContext(config, rules, runs)
         assumption, claim = invariant.claim(ctx)
         formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
         if scenario is not None:

@@ -29,23 +29,27 @@ BY_NAME = {inv.name: inv for inv in INVARIANTS}
 VECTORS = Path(__file__).resolve().parent.parent / "tests" / "vectors" / "hit_tokens"
 
 _CONFIGS = None
+EXTENDED = False
 
 
 def _configs():
     global _CONFIGS
     if _CONFIGS is None:
-        _CONFIGS = configs()
+        _CONFIGS = configs(EXTENDED)
     return _CONFIGS
 
 
 def _run_task(task):
     inv_name, policy, index, scenario = task
     invariant = BY_NAME[inv_name]
-    if scenario is not None:
-        sc = next(s for s in SCENARIOS if s.name == scenario)
-        verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], sc.config, sc)
-        return task, verdict, seconds, cex
-    verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], _configs()[index])
+    try:
+        if scenario is not None:
+            sc = next(s for s in SCENARIOS if s.name == scenario)
+            verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], sc.config, sc)
+        else:
+            verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], _configs()[index])
+    except Exception as exc:  # a spec or lowering error is a failed check, reported with its cause
+        return task, "ERROR", 0.0, {"error": f"{type(exc).__name__}: {exc}"}
     return task, verdict, seconds, cex
 
 
@@ -62,7 +66,7 @@ def tasks(only_catalogue_for_bad: bool = True):
             for bad in inv.refuted_by:
                 if bad in POLICIES:
                     continue
-                if only_catalogue_for_bad and (config.layout.name not in catalogue or config.layout.dcp > 1):
+                if only_catalogue_for_bad and config.layout.name not in catalogue:
                     continue
                 out.append((inv.name, bad, i, None))
     for sc in SCENARIOS:
@@ -108,7 +112,7 @@ def judge(verdicts: list[Verdict]) -> list[str]:
         if v.verdict in ("UNKNOWN", "REPLAY-MISMATCH", "ERROR"):
             problems.append(f"{v.invariant} / {v.policy}: {v.verdict} ({v.note})")
             continue
-        expected = EXPECTED.get((v.invariant, v.policy), "PROVED" if v.policy in POLICIES else "REFUTED")
+        expected = EXPECTED.get((v.invariant, v.policy), ("PROVED" if v.policy in POLICIES else "REFUTED",))[0]
         if v.verdict != expected:
             problems.append(f"{v.invariant} / {v.policy}: {v.verdict}, expected {expected} "
                             "(update proofs/expected.py only with a reviewed reason)")
@@ -125,6 +129,16 @@ def _summary(cex: dict | None) -> str:
     shown = ", ".join(f"{k}={v}" for k, v in cex["replayed"].items())
     return (f"{cex['layout']}{' dcp' + str(cex['dcp']) if cex['dcp'] > 1 else ''} [{cex['speculation']}] "
             f"N={cex['N']}: {shown}; reference hit={cex['reference_hit']}")
+
+
+def findings(verdicts: list[Verdict]) -> str:
+    """The expected divergences, with the reason and the counterexample found."""
+    lines = ["Expected divergences (proofs/expected.py):"]
+    for v in verdicts:
+        entry = EXPECTED.get((v.invariant, v.policy))
+        if entry and v.policy in POLICIES:
+            lines.append(f"  {v.invariant} / {v.policy}: {entry[1]}\n      {_summary(v.counterexample)}")
+    return "\n".join(lines)
 
 
 def table(verdicts: list[Verdict]) -> str:
@@ -144,7 +158,8 @@ def write_vectors(verdicts: list[Verdict]) -> int:
     for v in verdicts:
         if v.verdict == "REFUTED" and v.counterexample and "N" in v.counterexample:
             name = f"{v.invariant.replace('@', '__')}__{v.policy}.json"
-            record = {"invariant": v.invariant.split("@")[0], "policy": v.policy, **v.counterexample}
+            record = {"invariant": v.invariant.split("@")[0], "invariant_row": v.invariant, "policy": v.policy,
+                      **v.counterexample}
             (VECTORS / name).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
             n += 1
     return n
@@ -154,9 +169,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvhit prove", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPUs)")
+    parser.add_argument("--extended", action="store_true",
+                        help="also check the layouts of three or more spec groups (slow: tens of minutes)")
     parser.add_argument("--write-vectors", action="store_true",
                         help="save each REFUTED counterexample under tests/vectors/hit_tokens/")
     args = parser.parse_args(argv)
+    global EXTENDED
+    EXTENDED = args.extended
     start = time.perf_counter()
     verdicts = run(args.jobs)
     problems = judge(verdicts)
@@ -164,6 +183,7 @@ def main(argv=None) -> int:
         print(json.dumps([v.as_json() for v in verdicts], indent=1))
     else:
         print(table(verdicts))
+        print("\n" + findings(verdicts))
         print(f"\n{len(_configs())} configurations, {len(verdicts)} verdicts, "
               f"{time.perf_counter() - start:.1f} s wall")
     if args.write_vectors:

@@ -6,8 +6,9 @@ from .model import Invariant
 
 
 def hit_loop_terminates(ctx):
-    """For every N, cache state and loop state (candidate L >= 0, any eagle-verified set, any aligned
-    full-attention lengths), one pass returns c with 0 <= c <= L and c % A == 0. So L is a non-negative
+    """For every N, cache state and loop state (candidate L >= 0 on the first pass and a multiple of A on
+    later ones, any eagle-verified set, any aligned full-attention lengths), one pass returns c with
+    0 <= c <= L and c % A == 0. So L is a non-negative
     multiple of A after the first pass and falls by at least A on every pass that does not stop: the loop
     stops within floor((N - 1) / A) + 2 passes. (The reference's pass is its candidate scan; a single
     group's pass is its lookup.)"""
@@ -20,21 +21,23 @@ def hit_loop_terminates(ctx):
     outs = []
     if ctx.rules.declarative:
         extents = P.group_extents(ctx.cache, sizes, reach)
-        outs.append(P.reference_pass(ctx.cache, sizes, bound, extents, reach, ctx.rules))
+        outs.append((P.reference_pass(ctx.cache, sizes, bound, extents, reach, ctx.rules), bound))
     elif sizes.unitary:
-        outs.append(P.lookup(ctx.cache, sizes, 0, hashes, bound, sizes.groups[0].drops)[0])
+        outs.append((P.lookup(ctx.cache, sizes, 0, hashes, bound, sizes.groups[0].drops)[0], bound))
     else:
         verified = tuple(ctx.fresh_bool(f"verified{k}") for k in range(len(sizes.groups)))
         lengths = tuple(ctx.fresh(f"length{k}") for k in range(len(sizes.groups)))
         for length in lengths:
             assumption = and_(assumption, and_(length >= 0, eq(length % sizes.alignment, 0)))
-        for first in (True, False):
-            outs.append(P.hybrid_pass(ctx.cache, sizes, hashes, bound, verified, lengths, first,
-                                      ctx.rules)[0])
+        later = ctx.fresh("L_after_first_pass")  # after the first pass the candidate is aligned
+        assumption = and_(assumption, and_(later >= 0, eq(later % sizes.alignment, 0)))
+        for first, start in ((True, bound), (False, later)):
+            c = P.hybrid_pass(ctx.cache, sizes, hashes, start, verified, lengths, first, ctx.rules)[0]
+            outs.append((c, start))
     claim = True
-    for k, c in enumerate(outs):
+    for k, (c, start) in enumerate(outs):
         ctx.show(f"pass{k}", c)
-        claim = and_(claim, and_(and_(c >= 0, c <= bound), eq(c % sizes.alignment, 0)))
+        claim = and_(claim, and_(and_(c >= 0, c <= start), eq(c % sizes.alignment, 0)))
     return assumption, claim
 
 

@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: d24c27cc690f72574390cd1b1cc6c854e7f910e9bfd0f8b2f064817c8231cb49
-output-sha256: 2f92320fd6edb5040373488b9cac4258787e774a8191df6815b452755b459744
+spec-sha256: fae0d6fb07877d0ce525601ae906d4cfe4bdc8a5503d79e9055a7f1ee6e3bd67
+output-sha256: 5b400cce233654e1d261923d6e39d250fbccea8472f67d1eb58daf6d921cfea0
 """
 
 import itertools
@@ -657,15 +657,23 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     return (hit_length, reach, longest, done)
 
 def full_attention_extent(cache, sizes: Sizes, k, reach):
-    """Tokens of spec group ``k``'s leading run of cached blocks, within the hashes."""
-    b = sizes.groups[k].block
-    return cache.run_from(k, 0, b, reach // b) * b
+    """The longest prefix spec group ``k`` (full attention) can serve, within the hashes: its leading run
+    of cached blocks, or, when it is looked up at hash granularity, the highest cached boundary inside the
+    next block. Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
+    extent is downward-closed."""
+    sg = sizes.groups[k]
+    b = sg.block
+    run = cache.run_from(k, 0, b, reach // b) * b
+    if not sg.fine:
+        return run
+    a = sizes.alignment
+    partial = max_aligned(a, min(run + b - a, reach), lambda x: x > run and cache.window(k, x, a, 1, 0))
+    return max(run, partial)
 
 def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
     """Whether spec group ``k`` can serve a hit of ``x`` tokens (``x`` a multiple of ``A``).
 
-    * full attention: its cached prefix reaches ``x`` (``extent`` is its leading run), or at hash
-      granularity the boundary ``x`` inside the next block is cached;
+    * full attention: its cached prefix reaches ``x`` (``extent``, see :func:`full_attention_extent`);
     * sliding window: the ``ceil((W - 1) / b)`` blocks before ``x`` are cached (fewer near the start);
     * Mamba: the state at boundary ``x`` is cached;
     * chunked local: the blocks from ``x``'s chunk start to ``x`` are cached.
@@ -680,10 +688,7 @@ def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
     if sg.drops and rules.eagle_recompute and (sg.kind is not Kind.MAMBA):
         unit = sg.margin
     if sg.kind is Kind.FULL:
-        ok = x + unit <= extent
-        if sg.fine:
-            ok = ok or (x + unit < extent + b and cache.window(k, x + unit, a, 1, 0))
-        return x + unit <= reach and ok
+        return x + unit <= extent
     if sg.kind is Kind.SWA:
         after = 1 if unit > 0 else 0
         return x + unit <= reach and cache.window(k, x, b, -(-(sg.window - 1) // b), after)
@@ -713,25 +718,24 @@ def group_extents(cache, sizes: Sizes, reach):
 def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
-    Full-attention groups looked up at block granularity are downward-closed, so their cached prefix
-    bounds the scan from above before any candidate is tried.
+    Full-attention groups are downward-closed, so their extents bound the scan from above before any
+    candidate is tried. A single chunked-local group keeps vLLM's
+    lookup, which is already the longest.
     """
+    if sizes.groups[0].kind is Kind.CHUNKED:
+        return chunked_local_lookup(cache, sizes, 0, reach // sizes.hash_block, bound, False)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
-        if sg.kind is Kind.FULL and (not sg.fine):
+        if sg.kind is Kind.FULL:
             top = min(top, extents[k])
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
 
 def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """kvhit's reference policy: the longest hit that every group can serve, a multiple of ``A``, at most
     ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
-    unit past it. A single chunked-local group keeps vLLM's lookup, which is already the longest."""
-    hashes = num_hashes(sizes, n_tokens)
-    reach = hashes * sizes.hash_block
+    unit past it (see :func:`group_serves` and :func:`reference_pass`)."""
+    reach = num_hashes(sizes, n_tokens) * sizes.hash_block
     cap = min(max_cache_hit_length(n_tokens, rules), reach)
-    if sizes.groups[0].kind is Kind.CHUNKED:
-        hit, _ = chunked_local_lookup(cache, sizes, 0, hashes, cap, False)
-        return (hit, reach, hit, True)
     extents = group_extents(cache, sizes, reach)
     hit = reference_pass(cache, sizes, cap, extents, reach, rules)
     return (hit, reach, hit, True)

@@ -268,16 +268,24 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 
 
 def full_attention_extent(cache, sizes: Sizes, k, reach):
-    """Tokens of spec group ``k``'s leading run of cached blocks, within the hashes."""
-    b = sizes.groups[k].block
-    return cache.run_from(k, 0, b, reach // b) * b
+    """The longest prefix spec group ``k`` (full attention) can serve, within the hashes: its leading run
+    of cached blocks, or, when it is looked up at hash granularity, the highest cached boundary inside the
+    next block. Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
+    extent is downward-closed."""
+    sg = sizes.groups[k]
+    b = sg.block
+    run = cache.run_from(k, 0, b, reach // b) * b
+    if not sg.fine:
+        return run
+    a = sizes.alignment
+    partial = max_aligned(a, min_(run + b - a, reach), lambda x: and_(x > run, cache.window(k, x, a, 1, 0)))
+    return max_(run, partial)
 
 
 def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
     """Whether spec group ``k`` can serve a hit of ``x`` tokens (``x`` a multiple of ``A``).
 
-    * full attention: its cached prefix reaches ``x`` (``extent`` is its leading run), or at hash
-      granularity the boundary ``x`` inside the next block is cached;
+    * full attention: its cached prefix reaches ``x`` (``extent``, see :func:`full_attention_extent`);
     * sliding window: the ``ceil((W - 1) / b)`` blocks before ``x`` are cached (fewer near the start);
     * Mamba: the state at boundary ``x`` is cached;
     * chunked local: the blocks from ``x``'s chunk start to ``x`` are cached.
@@ -292,10 +300,7 @@ def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
     if sg.drops and rules.eagle_recompute and sg.kind is not Kind.MAMBA:
         unit = sg.margin
     if sg.kind is Kind.FULL:
-        ok = x + unit <= extent
-        if sg.fine:
-            ok = or_(ok, and_(x + unit < extent + b, cache.window(k, x + unit, a, 1, 0)))
-        return and_(x + unit <= reach, ok)
+        return x + unit <= extent
     if sg.kind is Kind.SWA:
         after = 1 if unit > 0 else 0
         return and_(x + unit <= reach, cache.window(k, x, b, cdiv(sg.window - 1, b), after))
@@ -328,12 +333,15 @@ def group_extents(cache, sizes: Sizes, reach):
 def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
-    Full-attention groups looked up at block granularity are downward-closed, so their cached prefix
-    bounds the scan from above before any candidate is tried.
+    Full-attention groups are downward-closed, so their extents bound the scan from above before any
+    candidate is tried. A single chunked-local group keeps vLLM's
+    lookup, which is already the longest.
     """
+    if sizes.groups[0].kind is Kind.CHUNKED:
+        return chunked_local_lookup(cache, sizes, 0, reach // sizes.hash_block, bound, False)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
-        if sg.kind is Kind.FULL and not sg.fine:
+        if sg.kind is Kind.FULL:
             top = min_(top, extents[k])
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
 
@@ -341,13 +349,9 @@ def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
 def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """kvhit's reference policy: the longest hit that every group can serve, a multiple of ``A``, at most
     ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
-    unit past it. A single chunked-local group keeps vLLM's lookup, which is already the longest."""
-    hashes = num_hashes(sizes, n_tokens)
-    reach = hashes * sizes.hash_block
+    unit past it (see :func:`group_serves` and :func:`reference_pass`)."""
+    reach = num_hashes(sizes, n_tokens) * sizes.hash_block
     cap = min_(max_cache_hit_length(n_tokens, rules), reach)
-    if sizes.groups[0].kind is Kind.CHUNKED:
-        hit, _ = chunked_local_lookup(cache, sizes, 0, hashes, cap, False)
-        return hit, reach, hit, True
     extents = group_extents(cache, sizes, reach)
     hit = reference_pass(cache, sizes, cap, extents, reach, rules)
     return hit, reach, hit, True

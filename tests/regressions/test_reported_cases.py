@@ -1,0 +1,64 @@
+"""Numbers from outside kvhit: the DeepSeek-V4 report, and hits measured on the real vLLM 0.33.0.
+
+The vLLM numbers were measured by driving vLLM 0.33.0's own KVCacheManager on the CPU (serve the prompt once,
+then look up the identical prompt), and by `vllm serve` of a tiny Llama with an EAGLE draft and block size 32,
+reading `usage.prompt_tokens_details.cached_tokens` of the first repeat. The `vllm_0_33` policy must
+reproduce them on a cache holding the served prompt.
+"""
+
+import pytest
+
+from kvhit.refimpl import Group, Layout, Speculation, hit
+from kvhit.spec.catalogue import CATALOGUE
+
+DROP, NONE = Speculation("drop", 1), Speculation("none")
+LOOKAHEAD = Speculation("lookahead", 1)
+
+
+def _convert(layout):
+    return Layout(tuple(Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
+                              g.tokens_per_state) for g in layout.groups),
+                  layout.dcp, layout.prefix_match_unit, layout.name)
+
+
+def _whole_prompt(layout, n):
+    from kvhit.refimpl import derive_sizes
+
+    return [n] * len(derive_sizes(layout, NONE).groups)
+
+
+def test_historical_mtp_drop_halves_the_deepseek_v4_hit_as_reported():
+    layout = _convert(CATALOGUE["dsv4_report"])
+    cache = _whole_prompt(layout, 46240)
+    assert hit(layout, NONE, 46240, cache, "historical") == 32768
+    assert hit(layout, DROP, 46240, cache, "historical") == 16384
+
+
+def test_reference_and_vllm_0_33_keep_the_deepseek_v4_hit_on_a_dense_cache():
+    layout = _convert(CATALOGUE["dsv4_report"])
+    cache = _whole_prompt(layout, 46240)
+    assert hit(layout, DROP, 46240, cache, "reference") == 32768
+    assert hit(layout, DROP, 46240, cache, "vllm_0_33") == 32768
+
+
+@pytest.mark.parametrize("name, pmu, n, mode, measured", [
+    ("full16", None, 1024, NONE, 1008), ("full16", None, 1024, LOOKAHEAD, 1008),
+    ("full16", None, 1024, DROP, 992),
+    ("gemma", None, 1024, NONE, 960), ("gemma", None, 1024, LOOKAHEAD, 960), ("gemma", None, 1024, DROP, 960),
+    ("qwen3next", None, 11910, NONE, 11200), ("qwen3next", None, 11910, LOOKAHEAD, 11200),
+    ("qwen3next", None, 11910, DROP, 9600),
+    ("qwen3next_pmu160", 160, 11910, NONE, 11840), ("qwen3next_pmu160", 160, 11910, LOOKAHEAD, 11840),
+    ("qwen3next_pmu160", 160, 11910, DROP, 11680),
+])
+def test_vllm_0_33_reproduces_hits_measured_on_vllm_kv_cache_manager(name, pmu, n, mode, measured):
+    layout = _convert(CATALOGUE[name])
+    assert hit(layout, mode, n, _whole_prompt(layout, n), "vllm_0_33") == measured
+
+
+@pytest.mark.parametrize("n, lookahead, drop", [(100, 96, 64), (128, 96, 64), (250, 224, 192),
+                                                (256, 224, 192), (511, 480, 448)])
+def test_vllm_0_33_reproduces_cached_tokens_of_vllm_serve_with_eagle(n, lookahead, drop):
+    """Target and draft layers share one full-attention group of block 32 (the engine's layout)."""
+    layout = Layout((Group("full", 32, eagle=True),))
+    assert hit(layout, LOOKAHEAD, n, [n], "vllm_0_33") == lookahead
+    assert hit(layout, DROP, n, [n], "vllm_0_33") == drop
