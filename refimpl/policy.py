@@ -1,7 +1,7 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: fae0d6fb07877d0ce525601ae906d4cfe4bdc8a5503d79e9055a7f1ee6e3bd67
+spec-sha256: e27c65be23b87ac8b8b414f1b6c0593bae2038959d33ff75c4be140c22b6f83b
 output-sha256: 5b400cce233654e1d261923d6e39d250fbccea8472f67d1eb58daf6d921cfea0
 """
 

@@ -269,26 +269,27 @@ def eq(a, b):
     return _cmp(a, b, "eq")
 
 
+def _symbolic_connective(op: str, a, b):
+    """``and``/``or`` of symbolic operands: predicate sets of a scan variable combine as sets."""
+    hook = getattr(a, "__kvhit_set__", None) or getattr(b, "__kvhit_set__", None)
+    if hook is not None:
+        return hook(op, a, b)
+    z3 = _z3()
+    return Term((z3.And if op == "and" else z3.Or)(_zv(a), _zv(b)))
+
+
 @_operator("({0} and {1})", "conjunction")
 def and_(a, b):
     if not is_symbolic(a, b):
         return a and b
-    hook = getattr(a, "__kvhit_set__", None) or getattr(b, "__kvhit_set__", None)
-    if hook is not None:
-        return hook("and", a, b)
-    z3 = _z3()
-    return Term(z3.And(_zv(a), _zv(b)))
+    return _symbolic_connective("and", a, b)
 
 
 @_operator("({0} or {1})", "disjunction")
 def or_(a, b):
     if not is_symbolic(a, b):
         return a or b
-    hook = getattr(a, "__kvhit_set__", None) or getattr(b, "__kvhit_set__", None)
-    if hook is not None:
-        return hook("or", a, b)
-    z3 = _z3()
-    return Term(z3.Or(_zv(a), _zv(b)))
+    return _symbolic_connective("or", a, b)
 
 
 @_operator("(not {0})", "negation (not of a predicate on a scan variable)")
