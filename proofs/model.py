@@ -204,6 +204,7 @@ class Verdict:
     policy: str
     verdict: str  # PROVED | REFUTED | UNKNOWN | REPLAY-MISMATCH | ERROR
     configs: list = field(default_factory=list)
+    refuted: int = 0
     seconds: float = 0.0
     counterexample: dict | None = None
     note: str = ""

@@ -88,19 +88,19 @@ def run(jobs: int | None = None) -> list[Verdict]:
     results.sort(key=lambda r: order[r[0]])
     verdicts: dict[tuple, Verdict] = {}
     cfgs = _configs()
+    rank = {"PROVED": 0, "REFUTED": 1, "UNKNOWN": 2, "REPLAY-MISMATCH": 3, "ERROR": 4}
     for (inv_name, policy, index, scenario), verdict, seconds, cex in results:
         key = (inv_name if scenario is None else f"{inv_name}@{scenario}", policy)
         v = verdicts.setdefault(key, Verdict(key[0], policy, "PROVED"))
         v.seconds += seconds
         label = cfgs[index].label if scenario is None else scenario
         v.configs.append(label)
-        rank = {"PROVED": 0, "REFUTED": 1, "UNKNOWN": 2, "REPLAY-MISMATCH": 3, "ERROR": 4}
         if rank[verdict] > rank[v.verdict]:
             v.verdict = verdict
             v.counterexample = cex
             v.note = label
         if verdict == "REFUTED":
-            v.refuted = getattr(v, "refuted", 0) + 1
+            v.refuted += 1
     return list(verdicts.values())
 
 
@@ -145,8 +145,7 @@ def table(verdicts: list[Verdict]) -> str:
     lines = [f"{'invariant':58} {'policy':24} {'verdict':9} {'configs':>7} {'seconds':>8}  counterexample",
              "-" * 150]
     for v in verdicts:
-        refuted = getattr(v, "refuted", 0)
-        count = f"{refuted}/{len(v.configs)}" if v.verdict == "REFUTED" else str(len(v.configs))
+        count = f"{v.refuted}/{len(v.configs)}" if v.verdict == "REFUTED" else str(len(v.configs))
         lines.append(f"{v.invariant:58} {v.policy:24} {v.verdict:9} {count:>7} {v.seconds:8.2f}  "
                      f"{_summary(v.counterexample) if v.verdict == 'REFUTED' else v.note if v.verdict != 'PROVED' else ''}")
     return "\n".join(lines)

@@ -128,7 +128,7 @@ class IntervalSet:
         b = b if isinstance(b, IntervalSet) else IntervalSet.everything(top, b)
         if op == "or":
             return IntervalSet(a.intervals + b.intervals, top)
-        return IntervalSet([(_max(l1, l2), _min(h1, h2)) for (l1, h1), (l2, h2) in
+        return IntervalSet([(max_(l1, l2), min_(h1, h2)) for (l1, h1), (l2, h2) in
                             itertools.product(a.intervals, b.intervals)], top)
 
 
@@ -140,14 +140,6 @@ def _if(c, a, b):
     return ite(Term(_zv(c)), a, b)
 
 
-def _min(a, b):
-    return min_(a, b)
-
-
-def _max(a, b):
-    return max_(a, b)
-
-
 def symbolic_max_aligned(step: int, hi, pred):
     """``max_aligned`` in closed form over the intervals its predicate lowers to."""
     x = ScanVar(step, hi)
@@ -156,9 +148,9 @@ def symbolic_max_aligned(step: int, hi, pred):
         sat = IntervalSet.everything(hi, sat)
     best = 0
     for lo, top in sat.intervals:
-        t = _min(hi, top) // step * step
+        t = min_(hi, top) // step * step
         ok = Term(_z3().And(_zv(t >= lo), _zv(t >= step)))
-        best = _if(ok, _max(best, t), best)
+        best = _if(ok, max_(best, t), best)
     return best
 
 
