@@ -287,6 +287,8 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     ref = ReplayContext(config, spec_policy.REFERENCE, values, cache)
     cex["reference_hit"] = ref.hit()[0]
     cex["reference_hit_without_speculation"] = ref.hit(NO_SPECULATION)[0]
+    cex["hits"] = {name: ReplayContext(config, other, values, cache).hit()[0]
+                   for name, other in spec_policy.POLICIES.items()}
     if not (r_assumption and not r_claim) or symbolic_shown != replay.shown:
         return "REPLAY-MISMATCH", seconds, cex
     return "REFUTED", seconds, cex

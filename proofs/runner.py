@@ -137,8 +137,20 @@ def findings(verdicts: list[Verdict]) -> str:
     for v in verdicts:
         entry = EXPECTED.get((v.invariant, v.policy))
         if entry and v.policy in POLICIES:
-            lines.append(f"  {v.invariant} / {v.policy}: {entry[1]}\n      {_summary(v.counterexample)}")
+            cex = v.counterexample or {}
+            lines.append(f"  {v.invariant} / {v.policy}: {entry[1]}\n      {_summary(cex)}")
+            lines.append(f"      cache (runs of cached blocks per spec group and unit): {_cache(cex)}")
+            lines.append(f"      hits replayed through refimpl: {cex.get('hits')}")
     return "\n".join(lines)
+
+
+def _cache(cex: dict) -> str:
+    parts = []
+    for group, lists in sorted((cex.get("cache") or {}).items()):
+        for item in lists:
+            spans = " ".join(f"[{s},{e})" for s, e in item["blocks"]) or "-"
+            parts.append(f"g{group}/u{item['unit']}: {spans}")
+    return "; ".join(parts) or "empty"
 
 
 def table(verdicts: list[Verdict]) -> str:
