@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: e27c65be23b87ac8b8b414f1b6c0593bae2038959d33ff75c4be140c22b6f83b
-output-sha256: 5b400cce233654e1d261923d6e39d250fbccea8472f67d1eb58daf6d921cfea0
+spec-sha256: f35a930c9b7425c88510f20cf199d03b066383e95a6ef1327d6e3643a171da61
+output-sha256: 59600e9b4ba0e3200e42b5f7c6549bf1f3a325d01e649a5d38b308d4b80c8a09
 """
 
 import itertools
@@ -719,8 +719,7 @@ def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
     Full-attention groups are downward-closed, so their extents bound the scan from above before any
-    candidate is tried. A single chunked-local group keeps vLLM's
-    lookup, which is already the longest.
+    candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
     """
     if sizes.groups[0].kind is Kind.CHUNKED:
         return chunked_local_lookup(cache, sizes, 0, reach // sizes.hash_block, bound, False)[0]

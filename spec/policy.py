@@ -334,8 +334,7 @@ def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
     Full-attention groups are downward-closed, so their extents bound the scan from above before any
-    candidate is tried. A single chunked-local group keeps vLLM's
-    lookup, which is already the longest.
+    candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
     """
     if sizes.groups[0].kind is Kind.CHUNKED:
         return chunked_local_lookup(cache, sizes, 0, reach // sizes.hash_block, bound, False)[0]
