@@ -1,25 +1,44 @@
 # kvhit: two commands set everything up on a fresh machine.
 #   make prove   creates .venv (Python 3.11, kvhit + z3) and runs the main job: every invariant, every policy
-#   make test    installs what the tests need and runs every test
+#   make test    installs what the tests need (vLLM 0.33.0's core included) and runs every test
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: prove test gen check-gen venv clean
+# Scenarios of the long conformance run (CI runs the default, see tests/conformance/conftest.py).
+CONFORMANCE_LONG_SCENARIOS ?= 50000
+
+.PHONY: prove test setup gen check-gen venv conformance conformance-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -e ".[test]"
 	touch $@
 
+# vLLM 0.33.0's core, pinned, without its dependency resolver: the vLLM wheel pins a CUDA torch, the lock
+# pins the CPU torch pip finds locally (see the README, "Conformance against vLLM 0.33"). `make prove`
+# does not need it.
+$(VENV)/.vllm-installed: requirements/vllm-033-core.txt $(VENV)/.installed
+	$(PIP) install --no-deps -r requirements/vllm-033-core.txt
+	$(PY) -c "import vllm, sys; sys.exit(vllm.__version__ != '0.33.0')"
+	touch $@
+
 venv: $(VENV)/.installed
+
+setup: $(VENV)/.vllm-installed
 
 prove: venv
 	$(VENV)/bin/kvhit prove
 
-test: venv
+test: setup
 	$(PY) -m pytest -q
+
+conformance: setup
+	$(PY) -m pytest -q tests/conformance
+
+conformance-long: setup
+	KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) $(PY) -m pytest -q tests/conformance
 
 gen: venv
 	$(PY) -m kvhit.spec.codegen
