@@ -123,6 +123,28 @@ _GROUP_KEYS = frozenset(
 # harness should avoid it if decode blocks must never match a prompt.
 DECODE_TOKEN_ID = 0
 
+class SchedulingStalled(RuntimeError):
+    """The scheduler's own chunk clipping left a running request 0 tokens to schedule.
+
+    The real ``Scheduler._mamba_block_aligned_split`` and ``_reserve_prefill_lookahead`` disagree: the
+    first ends the chunk at a Mamba checkpoint, the second keeps ``num_prefill_lookahead`` tokens away
+    from the prompt's end, and nothing else can run. The harness frees the request (as a client abort
+    would) before raising, so the block pool stays consistent and a stream can go on.
+
+    Attributes:
+        hit, spb: the admission lookup's result (already made when the stall happens).
+        chunks: the token counts scheduled before the stall.
+        num_computed_tokens: where the request stopped.
+    """
+
+    def __init__(self, message, hit, spb, chunks, num_computed_tokens):
+        super().__init__(message)
+        self.hit = hit
+        self.spb = spb
+        self.chunks = chunks
+        self.num_computed_tokens = num_computed_tokens
+
+
 _DEFAULT_MAX_MODEL_LEN = 1 << 17
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -461,8 +483,10 @@ class VllmHarness:
             step (prefill chunks, then decode steps).
 
         Raises:
-            RuntimeError: A step could not be scheduled (pool too small, or a
-                chunk clipped to 0 tokens with nothing else to run).
+            SchedulingStalled: The scheduler's chunk clipping left a running
+                request 0 tokens (the request is freed first).
+            RuntimeError: A step could not be scheduled (pool too small, or
+                an admission chunk clipped to 0 tokens).
         """
         mgr = self.manager
         req = self._new_request(tokens, max_tokens=decode_steps + 1)
@@ -508,7 +532,16 @@ class VllmHarness:
                 self._sched, req, req.num_computed_tokens, num_new
             )
             if num_new == 0:
-                raise RuntimeError(f"{req.request_id} scheduled 0 tokens")
+                mgr.free(req)
+                mgr.new_step_starts()
+                raise SchedulingStalled(
+                    f"{req.request_id} scheduled 0 tokens at {req.num_computed_tokens} of "
+                    f"{req.num_tokens}",
+                    hit,
+                    spb,
+                    chunks,
+                    req.num_computed_tokens,
+                )
             out = mgr.allocate_slots(
                 req, num_new, num_lookahead_tokens=self.num_spec_tokens
             )
