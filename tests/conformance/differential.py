@@ -419,3 +419,23 @@ def run_scenario(scenario: Scenario, stats: Stats = STATS, rules=VLLM_0_33) -> l
                        "0" if scenario.retention == 0 else "positive"] += 1
     stats.by_dcp[scenario.layout.dcp] += 1
     return history
+
+
+def seed_cache(harness: VllmHarness, sizes, tokens, has) -> None:
+    """Make vLLM's pool hold exactly a given cache state for ``tokens``' block hashes: for every spec
+    group ``k`` and boundary ``x`` within the hashes with ``has(k, x)``, the hash ending at ``x`` is
+    inserted for every member KV-cache group, each on its own free block (a lookup only reads the hash
+    map; the blocks stay in the free queue). For replaying a counterexample's cache state."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    pool = harness.manager.block_pool
+    hashes = harness._new_request(tokens).block_hashes
+    h = sizes.hash_block
+    next_block = 1  # pool.blocks[0] is the null block
+    for k, sg in enumerate(sizes.groups):
+        for j, block_hash in enumerate(hashes):
+            if has(k, (j + 1) * h):
+                for g in sg.members:
+                    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(block_hash, g),
+                                                           pool.blocks[next_block])
+                    next_block += 1

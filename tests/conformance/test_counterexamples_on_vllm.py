@@ -1,0 +1,79 @@
+"""Every counterexample `make prove` pinned for ``vllm_0_33`` and ``historical`` (tests/vectors/hit_tokens/)
+replayed on the real vLLM 0.33.0: the vector's cache state is put into vLLM's block pool for the
+request's own block hashes, the prompt is looked up, and vLLM's answer must be the ``vllm_0_33`` hit the
+vector records (Z3's number, replayed by the refimpl) or, for F1, an IndexError. So vLLM 0.33.0 shows F1
+and F2, and does not show F3 (the historical DeepSeek-V4 drop): there it returns the ``vllm_0_33`` hit."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvhit.proofs.domains import SCENARIOS, configs
+from kvhit.proofs.model import cache_from_runs
+from kvhit.refimpl import CacheState, Speculation, derive_sizes, hit_tokens
+from kvhit.refimpl.policy import num_hashes
+
+from .differential import VLLM_0_33, cache_state, harness_mode, seed_cache, to_harness, to_refimpl
+from .vllm_harness import VllmHarness
+
+VECTORS = sorted(p for p in (Path(__file__).resolve().parents[1] / "vectors" / "hit_tokens").glob("*.json")
+                 if json.loads(p.read_text())["policy"] in ("vllm_0_33", "historical"))
+# Invariants refuted by F1 (reads past the hashes): vLLM raises IndexError on these vectors.
+F1_INVARIANTS = {"hit_is_aligned_and_capped", "lookup_stays_within_hashes", "hit_is_valid_in_every_group"}
+
+
+def _config(record):
+    if "@" in record["invariant_row"]:
+        return next(s.config for s in SCENARIOS if s.name == record["invariant_row"].split("@")[1])
+    for config in configs(extended=True):
+        if (config.layout.name, config.layout.dcp, config.speculation.describe()) == (
+                record["layout"], record["dcp"], record["speculation"]):
+            return config
+    raise LookupError(record["layout"])
+
+
+def test_every_vllm_0_33_counterexample_is_replayed():
+    names = {p.stem for p in VECTORS}
+    assert {"hit_is_aligned_and_capped__vllm_0_33", "lookup_stays_within_hashes__vllm_0_33",
+            "hit_is_valid_in_every_group__vllm_0_33", "hit_is_the_longest_valid__vllm_0_33",
+            "eagle_loses_at_most_one_block_beyond_alignment__vllm_0_33"} <= names
+
+
+@pytest.mark.parametrize("path", VECTORS, ids=[p.stem for p in VECTORS])
+def test_counterexample_replays_on_vllm(path):
+    record = json.loads(path.read_text())
+    config = _config(record)
+    layout = to_refimpl(config.layout)
+    spec = config.speculation
+    speculation = Speculation(spec.mode.value, spec.num_speculative_tokens, spec.multi_module_mtp)
+    sizes = derive_sizes(layout, speculation)
+    n = record["N"]
+    runs = {(int(k), item["unit"]): [tuple(span) for span in item["blocks"]]
+            for k, items in record["cache"].items() for item in items}
+    vector_cache, _ = cache_from_runs(runs)
+    S = sizes.scheduler_block
+    mode, k, multi = harness_mode(speculation)
+    harness = VllmHarness(to_harness(layout), mode, num_speculative_tokens=k, multi_module_mtp=multi,
+                          max_model_len=(n // S + 2) * S, num_gpu_blocks=2 * n + 64)
+    tokens = list(range(1, n + 1))
+    seed_cache(harness, sizes, tokens, vector_cache.has)
+    seeded = cache_state(harness, sizes, tokens)
+    model_hit, reach, _, _ = hit_tokens(CacheState.from_sets(seeded), sizes, n, VLLM_0_33)
+    crash = reach > num_hashes(sizes, n) * sizes.hash_block
+    try:
+        got = harness.probe(tokens)["hit"]
+    except IndexError:
+        got = "IndexError"
+    print(f"{path.stem}: N={n} vLLM={got} vllm_0_33={model_hit} recorded={record['hits']} "
+          f"seeded={[len(b) for b in seeded]}")
+    if record["invariant"] in F1_INVARIANTS:
+        assert crash and got == "IndexError", f"F1 does not reproduce on {path.name}: vLLM returned {got}"
+    else:
+        assert not crash
+        assert got == model_hit == record["hits"]["vllm_0_33"], (got, model_hit, record["hits"])
+        if record["policy"] == "historical" and record["hits"]["historical"] != record["hits"]["vllm_0_33"]:
+            # F3 is fixed in vLLM 0.33.0: it returns the vllm_0_33 hit, not the historical one.
+            assert got != record["hits"]["historical"]
+        if record["policy"] == "vllm_0_33":
+            assert got < record["hits"]["reference"], "the finding is a loss against the reference policy"
