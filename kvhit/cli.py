@@ -133,13 +133,13 @@ def _plan(args):
     ranked = plan.rank(result, args.rank_by)
     elapsed = time.perf_counter() - started
     if args.json:
-        print(json.dumps(plan.to_json(ranked, workload, args.rank_by), indent=2))
+        print(json.dumps(plan.to_json(ranked, workload, args.rank_by), indent=2), flush=True)
     else:
-        print(plan.render(ranked, workload, args.rank_by, args.top))
+        print(plan.render(ranked, workload, args.rank_by, args.top), flush=True)
     if args.plot:
-        plan.plot(ranked[:args.plot_settings], workload, args.plot, args.rank_by)
+        plan.plot(ranked[0][:args.plot_settings], workload, args.plot, args.rank_by)
         print(f"plot: {args.plot}", file=sys.stderr)
-    print(f"plan: {len(workload)} requests x {len(candidates)} settings x 3 policies in {elapsed:.2f} s",
+    print(f"plan: {len(workload)} requests x {len(candidates.settings)} settings x 3 policies in {elapsed:.2f} s",
           file=sys.stderr)
     return 0
 
