@@ -236,7 +236,7 @@ def render(ranked, workload, by, top):
              f"(mean {w['mean_prompt']:.0f}, median {w['median_prompt']}), cached shared prefix "
              f"{w['mean_cached_prefix']:.0f} tokens on average",
              f"expected cached tokens per request (ranked by {by}; % of the mean prompt in brackets)", ""]
-    head = f"{'#':>3}  {'setting':<28} {'S/h/A':<18}" + "".join(f"{p:>18}" for p in POLICIES) + "  notes"
+    head = f"{'#':>3}  {'setting':<34} {'S/h/A':<18}" + "".join(f"{p:>18}" for p in POLICIES) + "  notes"
     lines += [head, "-" * len(head)]
     for i, s in enumerate(settings[:top], 1):
         sz = s.sizes
@@ -247,8 +247,8 @@ def render(ranked, workload, by, top):
             notes.append("reads past |H| (vLLM IndexError): " + ", ".join(bad))
         if s.same_as:
             notes.append("same as " + "; ".join(s.same_as))
-        lines.append(f"{i:>3}  {s.label:<28} {f'{sz.scheduler_block}/{sz.hash_block}/{sz.alignment}':<18}"
-                     f"{cells}  {' | '.join(notes)}")
+        lines.append(f"{i:>3}  {s.label:<34} {f'{sz.scheduler_block}/{sz.hash_block}/{sz.alignment}':<18}"
+                     f"{cells}  {' | '.join(notes)}".rstrip())
     if len(settings) > top:
         lines.append(f"     ... {len(settings) - top} more (--top)")
     for label, why in rejected:
