@@ -1,15 +1,162 @@
-"""The ``kvhit`` command: ``kvhit prove`` (more subcommands to come: explain, plan)."""
+"""The ``kvhit`` command: ``prove``, ``gen``, and the operator tools ``explain`` and ``plan``.
+
+``prove`` and ``gen`` need z3 and the spec; ``explain`` and ``plan`` use only the generated refimpl (and
+the catalogue's data), so they run where neither z3 nor vLLM is installed.
+"""
 
 import argparse
+import json
 import sys
+
+COMMANDS = ("prove", "gen", "explain", "plan")
+
+
+def _int_or_none(text):
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _pmu(text):
+    value = _int_or_none(text)
+    return "none" if value is None else value
+
+
+def _ints(text):
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_setting_args(p):
+    p.add_argument("layout", help="a catalogue name (kvhit/spec/catalogue.py) or a JSON layout file "
+                   "(docs/layout-format.md)")
+    p.add_argument("--speculative", choices=["none", "lookahead", "drop"], default="none",
+                   help="EAGLE/MTP mode: none, lookahead (hashes wait L tokens) or drop (recompute one unit)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per step (default 1 when speculating)")
+    p.add_argument("--multi-module-mtp", action="store_true",
+                   help="MTP with one module per draft token: the prefill lookahead becomes K")
+    p.add_argument("--dcp", type=int, default=None, help="decode context parallel size (default: the layout's)")
+
+
+def _explain_parser(sub):
+    p = sub.add_parser("explain", help="derive one request's hit step by step")
+    _add_setting_args(p)
+    p.add_argument("n_tokens", type=int, metavar="N", help="prompt length in tokens")
+    p.add_argument("--prefix-match-unit", type=_pmu, default=None, metavar="U|none",
+                   help="hash unit an operator asks for; 'none' for the GCD rule (default: the layout's)")
+    p.add_argument("--retention-interval", type=_int_or_none, default=None, metavar="R|none",
+                   help="validated (0 or a multiple of S); the write side it shapes is not modelled yet")
+    p.add_argument("--cached", type=_ints, default=None, metavar="C[,C...]",
+                   help="dense cached-prefix length, one for every spec group or one per spec group "
+                        "(default: N, the whole prompt)")
+    p.add_argument("--policy", choices=["reference", "vllm_0_33", "historical"], default="reference")
+    p.add_argument("--compare", action="store_true",
+                   help="all three policies side by side, naming the invariant a difference violates")
+    p.add_argument("--json", action="store_true", help="print JSON (schema: docs/explain.schema.json)")
+
+
+def _plan_parser(sub):
+    p = sub.add_parser("plan", help="rank the settings an operator controls for a workload")
+    _add_setting_args(p)
+    w = p.add_mutually_exclusive_group(required=True)
+    w.add_argument("--workload", metavar="FILE",
+                   help="one request per line: 'N' (a repeat of a cached N-token prompt) or 'N P' "
+                        "(N tokens of which the first P are cached); '#' starts a comment")
+    w.add_argument("--shared-prefix", metavar="DIST",
+                   help="synthetic workload: cached shared-prefix length ~ DIST (fixed:X, uniform:LO:HI, "
+                        "normal:MEAN:SD, lognormal:MEDIAN:SIGMA, choice:A,B,...)")
+    p.add_argument("--suffix", metavar="DIST", default="fixed:0",
+                   help="synthetic workload: uncached tokens after the prefix ~ DIST (default fixed:0)")
+    p.add_argument("--requests", type=int, default=1000, help="synthetic workload size (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default 0)")
+    p.add_argument("--block-sizes", type=_ints, default=None, metavar="B,...",
+                   help="candidate --block-size values for the groups that follow it")
+    p.add_argument("--operator-groups", type=_ints, default=None, metavar="I,...",
+                   help="KV-cache groups that follow --block-size (default: those the layout file marks)")
+    p.add_argument("--prefix-match-units", type=lambda t: [_pmu(x) for x in t.split(",")], default=None,
+                   metavar="U,...", help="candidate prefix_match_unit values, 'none' for the GCD rule "
+                   "(default: none and every multiple of 16 that divides the GCD of the effective blocks)")
+    p.add_argument("--rank-by", choices=["reference", "vllm_0_33", "historical"], default="reference")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--plot", metavar="PNG", help="write hit length vs prompt length for the best settings")
+    p.add_argument("--plot-settings", type=int, default=3, help="settings in the plot (default 3)")
+    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+
+
+def _fail(command, message):
+    print(f"kvhit {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _explain(args):
+    from kvhit import explain, layouts
+
+    try:
+        layout, _ = layouts.load(args.layout)
+        layout = layouts.configure(layout, dcp=args.dcp, prefix_match_unit=args.prefix_match_unit)
+        spec = explain.speculation(args.speculative, args.num_speculative_tokens, args.multi_module_mtp)
+        policies = explain.POLICIES if args.compare else (args.policy,)
+        report = explain.explain(layout, spec, args.n_tokens, policies, cached=args.cached,
+                                 retention_interval=args.retention_interval, compare=args.compare)
+    except ValueError as e:
+        return _fail("explain", e)
+    print(json.dumps(report, indent=2) if args.json else explain.render(report, layout))
+    return 0
+
+
+def _plan(args):
+    import time
+
+    from kvhit import explain, layouts, plan
+
+    started = time.perf_counter()
+    try:
+        layout, marked = layouts.load(args.layout)
+        operator_groups = tuple(args.operator_groups) if args.operator_groups is not None else marked
+        spec = explain.speculation(args.speculative, args.num_speculative_tokens, args.multi_module_mtp)
+        if args.workload:
+            workload = plan.read_workload(args.workload)
+        else:
+            workload = plan.synthetic_workload(args.shared_prefix, args.suffix, args.requests, args.seed)
+        candidates = plan.candidates(layout, spec, dcp=args.dcp, block_sizes=args.block_sizes,
+                                     operator_groups=operator_groups,
+                                     prefix_match_units=args.prefix_match_units)
+        result = plan.evaluate(candidates, workload)
+    except ValueError as e:
+        return _fail("plan", e)
+    ranked = plan.rank(result, args.rank_by)
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(plan.to_json(ranked, workload, args.rank_by), indent=2), flush=True)
+    else:
+        print(plan.render(ranked, workload, args.rank_by, args.top), flush=True)
+    if args.plot:
+        plan.plot(ranked[0][:args.plot_settings], workload, args.plot, args.rank_by)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    print(f"plan: {len(workload)} requests x {len(candidates.settings)} settings x 3 policies in {elapsed:.2f} s",
+          file=sys.stderr)
+    return 0
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("explain", "plan"):
+        parser = argparse.ArgumentParser(prog="kvhit", description="vLLM's prefix-cache hit length, checked")
+        sub = parser.add_subparsers(dest="command", required=True)
+        _explain_parser(sub)
+        _plan_parser(sub)
+        args = parser.parse_args(argv)
+        return _explain(args) if args.command == "explain" else _plan(args)
     parser = argparse.ArgumentParser(prog="kvhit", description="vLLM's prefix-cache hit length, checked")
-    parser.add_argument("command", choices=["prove", "gen"], help="prove: run every invariant; "
-                        "gen: regenerate refimpl/ from the spec")
-    args, rest = parser.parse_known_args(argv[:1])
+    parser.add_argument("command", choices=COMMANDS, help="prove: run every invariant; gen: regenerate "
+                        "refimpl/ from the spec; explain: derive one hit; plan: rank settings for a workload")
+    args, _ = parser.parse_known_args(argv[:1])
     if args.command == "prove":
         from kvhit.proofs.runner import main as prove
 

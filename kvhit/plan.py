@@ -1,0 +1,326 @@
+"""``kvhit plan``: rank the settings an operator controls by the cached tokens a workload gets.
+
+A workload is a list of requests ``(N, P)``: ``N`` prompt tokens of which the first ``P`` were left in the
+cache by an earlier request (``P = N`` is a repeat of the same prompt). The cache is the read side's dense
+assumption (every state of those ``P`` tokens retained; ``kvhit.dense.DenseCache``), and each hit is the
+generated refimpl's ``hit_tokens``. A setting is what an operator can change without changing the model:
+``--block-size`` for the groups that follow it, ``prefix_match_unit``, and lookahead versus drop for
+EAGLE/MTP. (The retention interval, and the retained-state count as its memory cost, need the write side of
+the spec, which is not modelled yet.)
+"""
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvhit import refimpl
+from kvhit.dense import DenseCache
+from kvhit.layouts import LayoutError, configure
+from kvhit.refimpl import Mode, Speculation
+
+POLICIES = ("reference", "vllm_0_33", "historical")
+
+
+# --------------------------------------------------------------------------------------------------
+# workloads
+# --------------------------------------------------------------------------------------------------
+
+def read_workload(path):
+    """Requests from a file: one per line, ``N`` (a repeat: ``P = N``) or ``N P``; ``#`` starts a comment."""
+    requests = []
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"{path}:{number}"
+        if len(fields) > 2:
+            raise ValueError(f"{where}: expected 'N' or 'N P', got {line.strip()!r}")
+        try:
+            values = [int(f) for f in fields]
+        except ValueError:
+            raise ValueError(f"{where}: expected integers, got {line.strip()!r}") from None
+        n, p = values[0], values[-1]
+        if n < 1:
+            raise ValueError(f"{where}: a prompt needs at least one token, got {n}")
+        if not 0 <= p <= n:
+            raise ValueError(f"{where}: the cached prefix {p} must be between 0 and the prompt length {n}")
+        requests.append((n, p))
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return requests
+
+
+def parse_distribution(text, what):
+    """A sampler ``rng -> int`` from ``fixed:X``, ``uniform:LO:HI``, ``normal:MEAN:SD``,
+    ``lognormal:MEDIAN:SIGMA`` or ``choice:A,B,...``."""
+    name, _, rest = text.partition(":")
+    args = rest.split(":") if rest else []
+    try:
+        if name == "fixed" and len(args) == 1:
+            x = int(args[0])
+            return lambda rng: x
+        if name == "uniform" and len(args) == 2:
+            lo, hi = int(args[0]), int(args[1])
+            if lo > hi:
+                raise ValueError
+            return lambda rng: rng.randint(lo, hi)
+        if name == "normal" and len(args) == 2:
+            mean, sd = float(args[0]), float(args[1])
+            return lambda rng: round(rng.gauss(mean, sd))
+        if name == "lognormal" and len(args) == 2:
+            median, sigma = float(args[0]), float(args[1])
+            return lambda rng: round(median * math.exp(rng.gauss(0, sigma)))
+        if name == "choice" and len(args) == 1:
+            values = [int(v) for v in args[0].split(",")]
+            return lambda rng: rng.choice(values)
+    except ValueError:
+        pass
+    raise ValueError(f"{what}: cannot read distribution {text!r} (fixed:X, uniform:LO:HI, normal:MEAN:SD, "
+                     f"lognormal:MEDIAN:SIGMA, choice:A,B,...)")
+
+
+def synthetic_workload(prefix, suffix, requests, seed):
+    """``requests`` requests whose cached shared prefix ``P ~ prefix`` (at least 1) is followed by
+    ``S ~ suffix`` new tokens (at least 0): ``N = P + S``. Seeded, so the same arguments give the same
+    workload."""
+    if requests < 1:
+        raise ValueError(f"--requests must be positive, got {requests}")
+    draw_p = parse_distribution(prefix, "--shared-prefix")
+    draw_s = parse_distribution(suffix, "--suffix")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(requests):
+        p = max(1, draw_p(rng))
+        out.append((p + max(0, draw_s(rng)), p))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# settings
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Setting:
+    """One combination of operator settings and what it gives.
+
+    Attributes:
+        label: the settings as a person writes them.
+        layout, speculation, sizes: what the setting makes of the layout (refimpl types).
+        same_as: labels of other settings that derive identical sizes (evaluated once).
+        mean: per policy, expected cached tokens per request.
+        past_hashes: per policy, requests whose lookups read past ``|H| * h`` (vLLM raises IndexError).
+    """
+    label: str
+    block_size: int | None
+    prefix_match_unit: object
+    mode: str
+    layout: object
+    speculation: object
+    sizes: object
+    same_as: list = field(default_factory=list)
+    mean: dict = field(default_factory=dict)
+    past_hashes: dict = field(default_factory=dict)
+
+
+@dataclass
+class Candidates:
+    settings: list
+    rejected: list  # (label, reason)
+
+
+def _default_units(layout):
+    """``none`` (the GCD rule), the layout's own unit, and every multiple of 16 dividing the GCD of the
+    effective blocks (a single-group layout has no choice: its unit is its block)."""
+    if len(layout.groups) == 1:
+        return [layout.prefix_match_unit or "none"]
+    blocks = refimpl.derive_sizes(layout, refimpl.NO_SPECULATION).effective_blocks
+    g = refimpl.gcd_all(blocks)
+    units = ["none"] + ([layout.prefix_match_unit] if layout.prefix_match_unit else [])
+    units += [u for u in range(16, g, 16) if g % u == 0 and u not in units]
+    return units
+
+
+def candidates(layout, spec, dcp=None, block_sizes=None, operator_groups=(), prefix_match_units=None):
+    """Every combination of the operator's settings, validated by the domain (an impossible one is kept in
+    ``rejected`` with the domain's reason); settings that derive identical sizes are merged."""
+    if block_sizes is not None and not operator_groups:
+        configure(layout, block_size=block_sizes[0], operator_groups=())  # raises the clear error
+    modes = ["none"] if spec.mode is Mode.NONE else ["lookahead", "drop"]
+    settings, rejected, seen = [], [], {}
+    for b in block_sizes or [None]:
+        try:
+            base = configure(layout, dcp=dcp, block_size=b, operator_groups=operator_groups)
+            units = prefix_match_units or _default_units(base)
+        except ValueError as e:
+            rejected.append((f"block {b}", str(e)))
+            continue
+        for u in units:
+            for mode in modes:
+                label = ", ".join(([f"block {b}"] if b is not None else []) + [f"pmu {u}", mode])
+                try:
+                    lay = configure(base, prefix_match_unit=u)
+                    sp = Speculation(mode, spec.num_speculative_tokens, spec.multi_module_mtp)
+                    sizes = refimpl.derive_sizes(lay, sp)
+                except (ValueError, LayoutError) as e:
+                    rejected.append((label, str(e)))
+                    continue
+                if sizes in seen:
+                    seen[sizes].same_as.append(label)
+                    continue
+                s = Setting(label, b, u, mode, lay, sp, sizes)
+                seen[sizes] = s
+                settings.append(s)
+    if not settings:
+        raise ValueError("no valid setting: " + "; ".join(f"{label}: {why}" for label, why in rejected))
+    return Candidates(settings, rejected)
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluation
+# --------------------------------------------------------------------------------------------------
+
+def hit_of(setting, n, p, policy):
+    """The refimpl's hit and reach for one request under one setting and policy."""
+    rules = refimpl.policy_rules(policy)
+    hit, reach, _, _ = refimpl.hit_tokens(DenseCache((p,) * len(setting.sizes.groups)), setting.sizes, n, rules)
+    return hit, reach
+
+
+def evaluate(cands, workload):
+    """Fill in each setting's expected cached tokens per request, per policy."""
+    for s in cands.settings:
+        for policy in POLICIES:
+            memo = {}
+            total = past = 0
+            for n, p in workload:
+                key = (n, p)
+                if key not in memo:
+                    hit, reach = hit_of(s, n, p, policy)
+                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n))
+                hit, bad = memo[key]
+                total += hit
+                past += bad
+            s.mean[policy] = total / len(workload)
+            s.past_hashes[policy] = past
+    return cands
+
+
+def rank(cands, by):
+    """Settings, best first under policy ``by``; ties go to the larger hash unit (fewer hashes to
+    compute), then to the order they were listed in."""
+    order = sorted(range(len(cands.settings)),
+                   key=lambda i: (-cands.settings[i].mean[by], -cands.settings[i].sizes.hash_block, i))
+    return [cands.settings[i] for i in order], cands.rejected
+
+
+# --------------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------------
+
+def workload_summary(workload):
+    ns = sorted(n for n, _ in workload)
+    shared = sum(p for _, p in workload) / len(workload)
+    return {"requests": len(workload), "mean_prompt": sum(ns) / len(ns), "min_prompt": ns[0],
+            "median_prompt": ns[len(ns) // 2], "max_prompt": ns[-1], "mean_cached_prefix": shared}
+
+
+def render(ranked, workload, by, top):
+    settings, rejected = ranked
+    w = workload_summary(workload)
+    lines = [f"workload: {w['requests']} requests, prompt {w['min_prompt']}..{w['max_prompt']} tokens "
+             f"(mean {w['mean_prompt']:.0f}, median {w['median_prompt']}), cached shared prefix "
+             f"{w['mean_cached_prefix']:.0f} tokens on average",
+             f"expected cached tokens per request (ranked by {by}; % of the mean prompt in brackets)", ""]
+    head = f"{'#':>3}  {'setting':<34} {'S/h/A':<18}" + "".join(f"{p:>18}" for p in POLICIES) + "  notes"
+    lines += [head, "-" * len(head)]
+    for i, s in enumerate(settings[:top], 1):
+        sz = s.sizes
+        cells = "".join(f"{s.mean[p]:>10.0f} ({100 * s.mean[p] / w['mean_prompt']:>4.1f}%)" for p in POLICIES)
+        notes = []
+        bad = [f"{p} {s.past_hashes[p]}" for p in POLICIES if s.past_hashes[p]]
+        if bad:
+            notes.append("reads past |H| (vLLM IndexError): " + ", ".join(bad))
+        if s.same_as:
+            notes.append("same as " + "; ".join(s.same_as))
+        lines.append(f"{i:>3}  {s.label:<34} {f'{sz.scheduler_block}/{sz.hash_block}/{sz.alignment}':<18}"
+                     f"{cells}  {' | '.join(notes)}".rstrip())
+    if len(settings) > top:
+        lines.append(f"     ... {len(settings) - top} more (--top)")
+    for label, why in rejected:
+        lines.append(f"rejected: {label}: {why}")
+    lines.append("not evaluated: retention interval and the retained-state memory cost (the write side is not "
+                 "modelled yet); the cache is every state of the shared prefix retained")
+    if any(g.kind.value in ("swa", "mamba") for g in settings[0].layout.groups):
+        lines.append("caution: sliding-window and Mamba state is assumed kept at every boundary; real retention "
+                     "keeps it at far fewer, so settings with a small hash unit look better here than they will be")
+    return "\n".join(lines)
+
+
+def to_json(ranked, workload, by):
+    settings, rejected = ranked
+    return {
+        "schema": "kvhit.plan/1", "rank_by": by, "workload": workload_summary(workload),
+        "settings": [{"rank": i, "label": s.label, "block_size": s.block_size,
+                      "prefix_match_unit": None if s.prefix_match_unit == "none" else s.prefix_match_unit,
+                      "speculative": s.mode, "scheduler_block": s.sizes.scheduler_block,
+                      "hash_block": s.sizes.hash_block, "alignment": s.sizes.alignment, "same_as": s.same_as,
+                      "mean_cached_tokens": dict(s.mean), "requests_reading_past_hashes": dict(s.past_hashes)}
+                     for i, s in enumerate(settings, 1)],
+        "rejected": [{"label": label, "reason": why} for label, why in rejected],
+    }
+
+
+def curve_points(settings, max_n, budget=1500):
+    """Prompt lengths to draw: an even grid, plus both sides of every alignment step of the settings (the
+    sawtooth's teeth) while there are few enough of them to see."""
+    xs = set(range(1, max_n + 1, max(1, max_n // budget))) | {max_n}
+    for s in settings:
+        a = s.sizes.alignment
+        for unit in {a, s.sizes.hash_block, s.sizes.eagle_unit or a}:
+            if max_n // unit <= budget:
+                for k in range(1, max_n // unit + 2):
+                    xs |= {x for x in (k * unit - 1, k * unit, k * unit + 1) if 1 <= x <= max_n}
+    return sorted(xs)
+
+
+def plot(settings, workload, path, by):
+    """A PNG of hit length versus prompt length (whole prompt cached) for ``settings`` under policy ``by``,
+    and below it the tokens each setting recomputes (``N - hit``: the sawtooth that alignment and the eagle
+    drop make), with the workload's prompt lengths marked and its requests' hits as dots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    max_n = max(n for n, _ in workload)
+    xs = curve_points(settings, max_n)
+    sample = workload[:: max(1, len(workload) // 400)]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), dpi=110, sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    top.plot([0, max_n], [0, max_n - 1], color="0.75", lw=1, ls="--", label="N - 1 (whole prompt)")
+    for s in settings:
+        ys = [hit_of(s, n, n, by)[0] for n in xs]
+        line, = top.step(xs, ys, where="post", lw=1.4, label=f"{s.label} (mean {s.mean[by]:.0f})")
+        bottom.step(xs, [n - y for n, y in zip(xs, ys)], where="post", lw=1.2, color=line.get_color())
+        top.scatter([n for n, _ in sample], [hit_of(s, n, p, by)[0] for n, p in sample], s=6,
+                    color=line.get_color(), alpha=0.5)
+    for ax in (top, bottom):
+        lo, hi = ax.get_ylim()
+        ax.plot([n for n, _ in sample], [lo] * len(sample), "|", color="k", alpha=0.3, ms=12)
+        ax.grid(alpha=0.3)
+    top.plot([], [], "|", color="k", alpha=0.5, ms=12, label="workload prompt lengths")
+    top.set_ylabel(f"cached tokens (hit), policy {by}")
+    bottom.set_ylabel("recomputed tokens N - hit")
+    bottom.set_xlabel("prompt length N (tokens)")
+    top.set_title(f"{settings[0].layout.name or 'layout'}: best {len(settings)} settings by {by} "
+                  f"(lines: whole prompt cached; dots: the workload's requests)", fontsize=10)
+    top.legend(loc="upper left", fontsize=8)
+    bottom.set_xlim(0, max_n * 1.02)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
