@@ -14,10 +14,11 @@ from kvhit.spec.catalogue import CATALOGUE
 from tests.conformance.vllm_harness import VllmHarness
 
 
-def harness_layout(name: str, dcp: int = 1) -> dict:
-    """The catalogue layout ``name`` at DCP ``dcp``, in the harness's format. DeepSeek-V4 groups are
-    MLA / SWA-MLA specs, as vLLM builds them."""
-    layout = CATALOGUE[name]
+def harness_layout(name, dcp: int = 1) -> dict:
+    """A spec layout (a catalogue name, or a ``kvhit.spec`` Layout) at DCP ``dcp``, in the harness's
+    format. DeepSeek-V4 groups are MLA / SWA-MLA specs, as vLLM builds them."""
+    layout = CATALOGUE[name] if isinstance(name, str) else name
+    name = layout.name
     mla = name.startswith("dsv4")
     groups = []
     for g in layout.groups:
