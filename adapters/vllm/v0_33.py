@@ -1,0 +1,651 @@
+# SPDX-License-Identifier: Apache-2.0
+"""kvhit's reference hit length inside vLLM 0.33.0's scheduler process (the read side).
+
+Imported by :func:`kvhit.adapters.vllm.install` only after it checked that vLLM is 0.33.0. This is the one
+module of kvhit that imports vLLM internals; of kvhit it imports only the generated ``kvhit.refimpl``.
+
+Seams (each restored by :func:`uninstall`):
+
+* ``vllm.v1.core.kv_cache_manager.get_kv_cache_coordinator``, the name ``KVCacheManager.__init__`` calls:
+  remembers the coordinator it builds as the scheduler's and maps its layout to kvhit's (once, logged).
+  Coordinators built anywhere else (the CPU coordinator of ``SimpleCPUOffload``, UMBP's scheduler copy)
+  are KV connectors' own copies of the policy and stay stock.
+* ``UnitaryKVCacheCoordinator.find_longest_cache_hit`` and ``HybridKVCacheCoordinator.find_longest_cache_hit``:
+  the hit of ``KVCacheManager.get_computed_blocks``.
+* ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: the per-group hits of
+  ``KVCacheManager.get_computed_blocks_for_connector``.
+
+An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_length = N - 1``)::
+
+    hit = refimpl.hit_tokens(CacheState(has), sizes, N, REFERENCE)   # has(k, x): BlockPool.get_cached_block
+    for each of vLLM's spec groups:                                  # blocks come from vLLM's own finders
+        full attention: manager_cls.find_longest_cache_hit(max_length=hit), blocks cut to cdiv(hit, block)
+        other kinds:    manager_cls.find_longest_cache_hit(max_length=hit), which must return exactly hit
+    num_uncached = (reference hit of the first spec group alone) - hit   # vLLM: its first lookup's result
+
+The finders are called without the EAGLE drop: the reference already checked, on the block pool, that each
+dropping group holds the unit past the hit, and the drop would only pop that unit again (vLLM's own loop
+looks a verified group up without the drop too). Anything the spec does not model is reported once and left
+to vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+from prometheus_client import Counter
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core import kv_cache_manager as _manager_module
+from vllm.v1.core.kv_cache_coordinator import eagle_proof_margin
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+)
+from vllm.v1.core.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    FullAttentionManager,
+    MambaManager,
+    SlidingWindowManager,
+)
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+from kvhit.refimpl import (
+    REFERENCE,
+    CacheState,
+    Group,
+    Kind,
+    Layout,
+    Sizes,
+    Speculation,
+    derive_sizes,
+    group_extents,
+    hit_tokens,
+    num_hashes,
+    reference_pass,
+)
+
+from . import log_once, logger
+
+VLLM_VERSION = "0.33.0"
+
+LOG_INTERVAL_S = 10.0
+"""At most one shadow-divergence line and one enforce-fallback line per this many seconds."""
+
+# --------------------------------------------------------------------------------------------------
+# Layouts: vLLM's KV-cache config -> kvhit's Layout
+# --------------------------------------------------------------------------------------------------
+
+# Exact spec classes and the exact manager class vLLM 0.33 picks for them, per spec kind. Subclasses
+# (RSWASpec, SinkFullAttentionSpec, HiddenStateCacheSpec, CircularBufferSpec, HiSparse*) and role managers
+# are different policies: not modelled.
+_KINDS: tuple[tuple[tuple[type, ...], type, Kind], ...] = (
+    ((FullAttentionSpec, MLAAttentionSpec), FullAttentionManager, Kind.FULL),
+    ((SlidingWindowSpec, SlidingWindowMLASpec), SlidingWindowManager, Kind.SWA),
+    ((MambaSpec,), MambaManager, Kind.MAMBA),
+    ((ChunkedLocalAttentionSpec,), ChunkedLocalAttentionManager, Kind.CHUNKED),
+)
+
+
+class Unmodelled(Exception):
+    """A layout or a call the spec does not model; vLLM's own code handles it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorModel:
+    """A vLLM coordinator's layout as kvhit models it.
+
+    Attributes:
+        layout, speculation: the spec's description of it.
+        sizes: the spec's derived sizes, checked equal to what vLLM resolved.
+        members: per spec group (``sizes.groups`` order), the vLLM KV-cache group ids it covers.
+        spec_group_of: per vLLM KV-cache group id, the index of its spec group.
+        label: a short description for logs and metric labels.
+    """
+
+    layout: Layout
+    speculation: Speculation
+    sizes: Sizes
+    members: tuple[tuple[int, ...], ...]
+    spec_group_of: tuple[int, ...]
+    label: str
+
+    @property
+    def unitary(self) -> bool:
+        return self.sizes.unitary
+
+
+def _group_of(index: int, group_spec, manager) -> Group:
+    """One vLLM KV-cache group as a spec group, or :class:`Unmodelled`."""
+    spec = group_spec.kv_cache_spec
+    kind = next((k for specs, mgr, k in _KINDS if type(spec) in specs and type(manager) is mgr), None)
+    if kind is None:
+        raise Unmodelled(f"group {index}: {type(spec).__name__} looked up by {type(manager).__name__} "
+                         "is not a kind the spec models")
+    if not spec.prefix_cacheable:
+        raise Unmodelled(f"group {index}: {type(spec).__name__} does not take part in prefix caching")
+    if manager.retains_longer_hit:
+        raise Unmodelled(f"group {index}: {type(manager).__name__} retains a longer hit")
+    if manager.pcp_world_size != 1:
+        raise Unmodelled(f"group {index}: prefill context parallelism {manager.pcp_world_size} "
+                         "is not modelled")
+    if kind is Kind.MAMBA and spec.mamba_cache_mode != "align":
+        raise Unmodelled(f"group {index}: Mamba cache mode {spec.mamba_cache_mode!r} (the spec models "
+                         "'align')")
+    tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    if isinstance(tokens_per_state, Fraction) and tokens_per_state.denominator != 1:
+        raise Unmodelled(f"group {index}: fractional tokens_per_state {tokens_per_state}")
+    tokens_per_state = int(tokens_per_state)
+    try:
+        return Group(
+            kind,
+            spec.block_size,
+            window=spec.sliding_window if kind is Kind.SWA else None,
+            chunk=spec.attention_chunk_size if kind is Kind.CHUNKED else None,
+            dcp_sharded=spec.dcp_sharded,
+            eagle=group_spec.is_eagle_group,
+            tokens_per_state=max(1, tokens_per_state),  # MambaSpec uses -1 for "one token per state"
+        )
+    except ValueError as e:
+        raise Unmodelled(f"group {index}: {e}") from e
+
+
+def _speculation_of(coordinator: KVCacheCoordinator) -> Speculation:
+    """The speculative setting the coordinator was built for.
+
+    vLLM passes it as ``use_eagle`` (the drop; cleared when lookahead hashes are on),
+    ``num_hash_lookahead_tokens`` (kept by the block pool) and ``num_prefill_lookahead`` (kept as
+    ``num_reprefillable_tokens = max(0, Lp - 1)``).
+    """
+    lookahead = coordinator.block_pool.num_hash_lookahead_tokens
+    reprefillable = coordinator.num_reprefillable_tokens
+    drop = bool(coordinator.drop_eagle_group_ids)
+    if lookahead and drop:
+        raise Unmodelled("lookahead hashes together with the EAGLE drop (vLLM's scheduler never builds it)")
+    if lookahead:
+        if reprefillable != lookahead - 1:
+            raise Unmodelled(f"{lookahead} hash lookahead tokens with a prefill lookahead of "
+                             f"{reprefillable + 1}")
+        return Speculation("lookahead", lookahead, multi_module_mtp=lookahead > 1)
+    if drop:
+        prefill = reprefillable + 1
+        return Speculation("drop", prefill, multi_module_mtp=prefill > 1)
+    if reprefillable:
+        raise Unmodelled(f"a prefill lookahead of {reprefillable + 1} tokens without lookahead hashes "
+                         "or the EAGLE drop")
+    return Speculation("none")
+
+
+def _describe(layout: Layout, speculation: Speculation) -> str:
+    parts = []
+    for g in layout.groups:
+        text = f"{g.kind.value}{g.block_size}"
+        if g.window is not None:
+            text += f"w{g.window}"
+        if g.chunk is not None:
+            text += f"c{g.chunk}"
+        if g.tokens_per_state > 1:
+            text += f"t{g.tokens_per_state}"
+        if layout.dcp > 1 and not g.dcp_sharded and g.kind is not Kind.MAMBA:
+            text += "r"
+        if g.eagle:
+            text += "e"
+        parts.append(text)
+    extra = f" dcp{layout.dcp}" if layout.dcp > 1 else ""
+    if layout.prefix_match_unit is not None:
+        extra += f" pmu{layout.prefix_match_unit}"
+    return f"{'+'.join(parts)}{extra} {speculation.describe()}"
+
+
+def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
+    """Map a vLLM 0.33 coordinator's KV-cache config to kvhit's layout and check the derived sizes.
+
+    Raises:
+        Unmodelled: a coordinator, group kind or setting the spec does not model, or derived sizes
+            that differ from the ones vLLM resolved (the message names both).
+    """
+    if type(coordinator) not in (UnitaryKVCacheCoordinator, HybridKVCacheCoordinator):
+        raise Unmodelled(f"coordinator {type(coordinator).__name__}")
+    config = coordinator.kv_cache_config
+    managers = coordinator.single_type_managers
+    groups = tuple(_group_of(i, g, m) for i, (g, m) in enumerate(zip(config.kv_cache_groups, managers)))
+    unitary = type(coordinator) is UnitaryKVCacheCoordinator
+    dcp = managers[0].dcp_world_size if unitary else coordinator.dcp_world_size
+    h = coordinator.block_pool.hash_block_size
+    speculation = _speculation_of(coordinator)
+    try:
+        layout = Layout(groups, dcp=dcp)
+        sizes = derive_sizes(layout, speculation)
+        if sizes.hash_block != h and not unitary:
+            layout = Layout(groups, dcp=dcp, prefix_match_unit=h)
+            sizes = derive_sizes(layout, speculation)
+    except ValueError as e:
+        raise Unmodelled(f"the spec rejects the layout: {e}") from e
+    layout = dataclasses.replace(layout, name=_describe(layout, speculation))
+
+    if unitary:
+        alignment, partial = coordinator.block_size, False
+        vllm_drops = {0: 0 in coordinator.drop_eagle_group_ids}
+    else:
+        alignment, partial = coordinator._cache_hit_alignment_tokens, coordinator.enable_partial_hash_hits
+        vllm_drops = {gid: g.use_eagle for g in coordinator.attention_groups for gid in g.group_ids}
+    vllm_sizes = (coordinator.scheduler_block_size, h, alignment, partial,
+                  tuple(m.block_size for m in managers))
+    spec_sizes = (sizes.scheduler_block, sizes.hash_block, sizes.alignment, sizes.partial_hits,
+                  tuple(sizes.effective_blocks))
+    if vllm_sizes != spec_sizes:
+        raise Unmodelled(f"{layout.name}: vLLM resolved (S, h, A, partial hits, blocks) = {vllm_sizes}, "
+                         f"the spec derives {spec_sizes}")
+    spec_group_of = [0] * len(groups)
+    for k, sg in enumerate(sizes.groups):
+        for gid in sg.members:
+            spec_group_of[gid] = k
+            if vllm_drops[gid] != sg.drops:
+                raise Unmodelled(f"{layout.name}: group {gid} drops in vLLM: {vllm_drops[gid]}, "
+                                 f"in the spec: {sg.drops}")
+    return CoordinatorModel(layout, speculation, sizes, tuple(tuple(sg.members) for sg in sizes.groups),
+                            tuple(spec_group_of), layout.name)
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference hit over vLLM's block pool
+# --------------------------------------------------------------------------------------------------
+
+
+class _Stock(Exception):
+    """A call outside what the spec models: vLLM answers it."""
+
+
+class _Inconsistent(Exception):
+    """vLLM's finders cannot provide blocks for the reference hit: a spec/vLLM disagreement."""
+
+
+def pool_cache(block_pool, block_hashes: Sequence, model: CoordinatorModel,
+               members: Sequence[Sequence[int]] | None = None) -> CacheState:
+    """The cache a request sees: spec group ``k`` has boundary ``x`` when the request's block hash ending
+    at ``x`` is cached for every KV-cache group of ``k`` (vLLM: ``BlockPool.get_cached_block``).
+
+    Args:
+        members: per spec group, the KV-cache group ids to ask for (default: the model's).
+
+    Answers are memoised for the lookup (the pool does not change during it).
+    """
+    h = model.sizes.hash_block
+    n = len(block_hashes)
+    members = [list(m) for m in (model.members if members is None else members)]
+    get_cached_block = block_pool.get_cached_block
+    memo: dict[tuple[int, int], bool] = {}
+
+    def has(k: int, x: int) -> bool:
+        key = (k, x)
+        found = memo.get(key)
+        if found is None:
+            j, rest = divmod(x, h)
+            if rest:
+                raise ValueError(f"boundary {x} is not a multiple of the hash unit {h}")
+            found = 0 < j <= n and get_cached_block(block_hashes[j - 1], members[k]) is not None
+            memo[key] = found
+        return found
+
+    return CacheState(has)
+
+
+def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
+                  max_cache_hit_length: int) -> tuple[CacheState, int, int]:
+    """``(cache, hit, reach)`` of the reference policy for a request whose lookup vLLM capped at
+    ``max_cache_hit_length``.
+
+    Raises:
+        _Stock: the cap is not ``N - 1`` for a request with these block hashes (a KV connector's cap);
+            the spec models only ``N - 1``.
+    """
+    n_tokens = max_cache_hit_length + 1
+    if num_hashes(model.sizes, n_tokens) != len(block_hashes):
+        raise _Stock(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
+                     f"{len(block_hashes)} block hashes: the cap is not N - 1 (a KV connector's cap); "
+                     "the spec models only N - 1")
+    cache = pool_cache(coordinator.block_pool, block_hashes, model)
+    hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
+    return cache, hit, reach
+
+
+def group_reference_hit(model: CoordinatorModel, cache: CacheState, k: int, bound: int, reach: int) -> int:
+    """The reference hit of spec group ``k`` on its own: the longest multiple of ``A`` at most ``bound``
+    that the group serves (``refimpl.reference_pass`` over a layout of that one spec group)."""
+    alone = dataclasses.replace(model.sizes, groups=(model.sizes.groups[k],))
+    has = cache.has
+    one = CacheState(lambda _, x: has(k, x))
+    return reference_pass(one, alone, bound, group_extents(one, alone, reach), reach, REFERENCE)
+
+
+def _lookup(coordinator: KVCacheCoordinator, spec, group_ids: list[int], manager_cls,
+            block_hashes: Sequence, max_length: int, drop: bool, alignment: int):
+    """One of vLLM's finders, with the arguments vLLM's coordinator passes."""
+    manager = coordinator.single_type_managers[group_ids[0]]
+    return manager_cls.find_longest_cache_hit(
+        block_hashes=block_hashes,
+        max_length=max_length,
+        kv_cache_group_ids=group_ids,
+        block_pool=manager.block_pool,
+        kv_cache_spec=spec,
+        drop_eagle_block=drop,
+        alignment_tokens=alignment,
+        dcp_world_size=manager.dcp_world_size,
+        pcp_world_size=manager.pcp_world_size,
+    )
+
+
+def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, block_hashes: Sequence, hit: int,
+                       max_cache_hit_length: int, alignment: int):
+    """The blocks of one of vLLM's spec groups for a hit of ``hit`` tokens, from vLLM's finder.
+
+    Full attention is downward-closed: it is looked up as vLLM's first pass looks it up (an EAGLE group
+    at the cap plus its margin, dropping) and cut to ``cdiv(hit, block)`` blocks, as vLLM's Hybrid
+    coordinator cuts it, so the blocks are vLLM's whenever the hits agree. If that lookup stops short of
+    ``hit`` (the reference may rely on a hash-granular entry past the cap), the group's whole cached
+    prefix within the hashes is looked up instead. Other kinds are looked up at ``hit`` without the drop
+    (a verified EAGLE group in vLLM's loop is too) and must land on it.
+    """
+    spec, group_ids, manager_cls, use_eagle = spec_group
+    if isinstance(spec, FullAttentionSpec):
+        manager = coordinator.single_type_managers[group_ids[0]]
+        reach = len(block_hashes) * coordinator.block_pool.hash_block_size
+        max_length = max_cache_hit_length
+        if use_eagle:
+            margin = eagle_proof_margin(
+                manager.block_size, coordinator.block_pool.hash_block_size,
+                coordinator.enable_partial_hash_hits and manager_cls.supports_fine_grained_hash_lookup)
+            max_length = min(max_cache_hit_length + margin, reach)
+        blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, max_length,
+                                use_eagle, alignment)
+        if found < hit:
+            blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, reach, False,
+                                    alignment)
+        if found < hit:
+            raise _Inconsistent(f"full-attention groups {group_ids} serve {found} < reference hit {hit}")
+        keep = cdiv(hit, manager.block_size)
+        for group_blocks in blocks:
+            del group_blocks[keep:]
+        return blocks
+    blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, hit, False, alignment)
+    if found != hit:
+        raise _Inconsistent(f"{type(spec).__name__} groups {group_ids}: vLLM's finder at {hit} returns "
+                            f"{found}")
+    return blocks
+
+
+def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
+                 max_cache_hit_length: int):
+    """``find_longest_cache_hit`` under the reference policy: ``(blocks per group, hit, num_uncached)``."""
+    cache, hit, reach = reference_hit(coordinator, model, block_hashes, max_cache_hit_length)
+    if model.unitary:
+        # vLLM's Unitary lookup drops after capping; look the group up without the drop instead.
+        spec_group = (coordinator.kv_cache_spec, [0], type(coordinator.single_type_managers[0]), False)
+        blocks = _spec_group_blocks(coordinator, spec_group, block_hashes, hit, max_cache_hit_length,
+                                    coordinator.block_size)
+        return blocks, hit, 0
+    alignment = coordinator._cache_hit_alignment_tokens
+    out: list[list] = [[] for _ in coordinator.single_type_managers]
+    for spec_group in coordinator.attention_groups:
+        blocks = _spec_group_blocks(coordinator, spec_group, block_hashes, hit, max_cache_hit_length,
+                                    alignment)
+        for gid, group_blocks in zip(spec_group.group_ids, blocks):
+            out[gid] = group_blocks
+    # vLLM reports the prefix its first lookup found (its first spec group: full attention when there is
+    # any) beyond the hit as an uncached shared prefix; the write side pins that junction for the lagging
+    # sparse groups. The spec may merge more KV-cache groups into that spec group than vLLM does, so the
+    # first group is asked about with vLLM's members.
+    first = coordinator.attention_groups[0].group_ids
+    k = model.spec_group_of[first[0]]
+    if tuple(first) != model.members[k]:
+        members = list(model.members)
+        members[k] = tuple(first)
+        cache = pool_cache(coordinator.block_pool, block_hashes, model, members)
+    longest = group_reference_hit(model, cache, k, min(max_cache_hit_length, reach), reach)
+    if longest < hit:
+        raise _Inconsistent(f"the first spec group alone serves {longest} < the reference hit {hit}")
+    return tuple(out), hit, longest - hit
+
+
+def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: CoordinatorModel,
+                            block_hashes: Sequence, max_cache_hit_length: int):
+    """``find_longest_cache_hit_per_group`` under the reference policy: each spec group's own reference
+    hit (at most the cap and the hashes) and vLLM's blocks for it."""
+    cache = pool_cache(coordinator.block_pool, block_hashes, model)
+    reach = len(block_hashes) * model.sizes.hash_block
+    bound = min(max_cache_hit_length, reach)
+    hits = [group_reference_hit(model, cache, k, bound, reach) for k in range(len(model.sizes.groups))]
+    alignment = coordinator._cache_hit_alignment_tokens
+    out_blocks: list[list] = [[] for _ in coordinator.single_type_managers]
+    out_hits = [0] * len(coordinator.single_type_managers)
+    for spec_group in coordinator.attention_groups:
+        hit = hits[model.spec_group_of[spec_group.group_ids[0]]]
+        blocks = _spec_group_blocks(coordinator, spec_group, block_hashes, hit, max_cache_hit_length,
+                                    alignment)
+        for gid, group_blocks in zip(spec_group.group_ids, blocks):
+            out_blocks[gid] = group_blocks
+            out_hits[gid] = hit
+    return tuple(out_blocks), tuple(out_hits)
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics and bounded logs
+# --------------------------------------------------------------------------------------------------
+
+HIT_DIVERGENCES = Counter(
+    "kvhit_hit_divergences",
+    "Prefix-cache lookups (shadow mode) whose kvhit reference hit differs from vLLM's.",
+    ["layout", "direction"])
+HIT_DIVERGENCE_TOKENS = Counter(
+    "kvhit_hit_divergence_tokens",
+    "Sum over shadow-mode divergences of |reference hit - vLLM hit| in tokens.",
+    ["layout", "direction"])
+ENFORCE_FALLBACKS = Counter(
+    "kvhit_enforce_fallbacks",
+    "Enforce-mode lookups answered by vLLM's own code because kvhit could not serve them.",
+    ["layout"])
+
+
+class _BoundedLog:
+    """Log at most one line per ``interval`` seconds; say how many were suppressed in between."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.next_time = 0.0
+        self.suppressed = 0
+
+    def __call__(self, level: int, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self.next_time:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            msg += " (%d similar lines suppressed)"
+            args += (self.suppressed,)
+        self.suppressed = 0
+        self.next_time = now + self.interval
+        logger.log(level, msg, *args)
+
+
+_divergence_log = _BoundedLog(LOG_INTERVAL_S)
+_fallback_log = _BoundedLog(LOG_INTERVAL_S)
+
+# --------------------------------------------------------------------------------------------------
+# The patched callables
+# --------------------------------------------------------------------------------------------------
+
+_ORIGINAL_GET_COORDINATOR = _manager_module.get_kv_cache_coordinator
+_ORIGINAL_UNITARY_FIND = UnitaryKVCacheCoordinator.__dict__["find_longest_cache_hit"]
+_ORIGINAL_HYBRID_FIND = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit"]
+_ORIGINAL_HYBRID_PER_GROUP = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit_per_group"]
+
+_mode = "off"
+# The scheduler's coordinators (built by KVCacheManager while kvhit was installed) -> their model, or
+# None when the layout is not modelled.
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _model_for(coordinator: KVCacheCoordinator) -> CoordinatorModel | None:
+    try:
+        return _models[coordinator]
+    except KeyError:
+        log_once(logging.INFO,
+                 "kvhit: a %s not built by KVCacheManager while kvhit was installed (a KV connector's own "
+                 "copy, or built before kvhit was installed) keeps vLLM's lookup",
+                 type(coordinator).__name__)
+        return None
+
+
+def _fall_back(model: CoordinatorModel, error: Exception) -> None:
+    ENFORCE_FALLBACKS.labels(model.label).inc()
+    _fallback_log(logging.ERROR, "kvhit enforce: lookup on layout %s answered by vLLM: %s: %s",
+                  model.label, type(error).__name__, error)
+
+
+def get_kv_cache_coordinator(*args, **kwargs) -> KVCacheCoordinator:
+    """vLLM's ``get_kv_cache_coordinator``, remembering the coordinator as the scheduler's."""
+    coordinator = _ORIGINAL_GET_COORDINATOR(*args, **kwargs)
+    if not isinstance(coordinator, (UnitaryKVCacheCoordinator, HybridKVCacheCoordinator)):
+        return coordinator  # no prefix caching: nothing to look up
+    try:
+        model = model_coordinator(coordinator)
+    except Unmodelled as e:
+        _models[coordinator] = None
+        log_once(logging.WARNING, "kvhit: KV-cache layout not modelled by the spec, left to vLLM: %s", e)
+        return coordinator
+    _models[coordinator] = model
+    sizes = model.sizes
+    log_once(logging.INFO, "kvhit: layout %s (S=%d, h=%d, A=%d) is modelled; mode %s",
+             model.label, sizes.scheduler_block, sizes.hash_block, sizes.alignment, _mode)
+    return coordinator
+
+
+def _find_longest_cache_hit(original: Callable, coordinator: KVCacheCoordinator, block_hashes: Sequence,
+                            max_cache_hit_length: int):
+    model = _model_for(coordinator)
+    if model is None:
+        return original(coordinator, block_hashes, max_cache_hit_length)
+    if _mode == "shadow":
+        result = original(coordinator, block_hashes, max_cache_hit_length)
+        try:
+            _, reference, _ = reference_hit(coordinator, model, block_hashes, max_cache_hit_length)
+        except _Stock as e:
+            log_once(logging.INFO, "kvhit shadow: not compared: %s", e)
+            return result
+        except Exception as e:  # noqa: BLE001 - shadow mode never disturbs vLLM
+            _fallback_log(logging.ERROR, "kvhit shadow: reference hit failed on layout %s: %s: %s",
+                          model.label, type(e).__name__, e)
+            return result
+        stock = result[1]
+        if reference != stock:
+            direction = "reference_longer" if reference > stock else "reference_shorter"
+            HIT_DIVERGENCES.labels(model.label, direction).inc()
+            HIT_DIVERGENCE_TOKENS.labels(model.label, direction).inc(abs(reference - stock))
+            _divergence_log(logging.WARNING,
+                            "kvhit shadow: hit differs on layout %s: N=%d vLLM=%d reference=%d",
+                            model.label, max_cache_hit_length + 1, stock, reference)
+        return result
+    try:
+        return enforced_hit(coordinator, model, block_hashes, max_cache_hit_length)
+    except _Stock as e:
+        log_once(logging.INFO, "kvhit enforce: left to vLLM: %s", e)
+    except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down; counted and logged
+        _fall_back(model, e)
+    return original(coordinator, block_hashes, max_cache_hit_length)
+
+
+def unitary_find_longest_cache_hit(self: UnitaryKVCacheCoordinator, block_hashes, max_cache_hit_length):
+    """``UnitaryKVCacheCoordinator.find_longest_cache_hit`` under kvhit's mode."""
+    return _find_longest_cache_hit(_ORIGINAL_UNITARY_FIND, self, block_hashes, max_cache_hit_length)
+
+
+def hybrid_find_longest_cache_hit(self: HybridKVCacheCoordinator, block_hashes, max_cache_hit_length):
+    """``HybridKVCacheCoordinator.find_longest_cache_hit`` under kvhit's mode."""
+    return _find_longest_cache_hit(_ORIGINAL_HYBRID_FIND, self, block_hashes, max_cache_hit_length)
+
+
+def hybrid_find_longest_cache_hit_per_group(self: HybridKVCacheCoordinator, block_hashes,
+                                            max_cache_hit_length):
+    """``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: enforced; stock in shadow mode."""
+    model = _model_for(self)
+    if model is None or _mode != "enforce":
+        return _ORIGINAL_HYBRID_PER_GROUP(self, block_hashes, max_cache_hit_length)
+    try:
+        return enforced_hits_per_group(self, model, block_hashes, max_cache_hit_length)
+    except Exception as e:  # noqa: BLE001 - see _find_longest_cache_hit
+        _fall_back(model, e)
+    return _ORIGINAL_HYBRID_PER_GROUP(self, block_hashes, max_cache_hit_length)
+
+
+# --------------------------------------------------------------------------------------------------
+# install / uninstall
+# --------------------------------------------------------------------------------------------------
+
+SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
+    (_manager_module, "get_kv_cache_coordinator", _ORIGINAL_GET_COORDINATOR, get_kv_cache_coordinator),
+    (UnitaryKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_UNITARY_FIND,
+     unitary_find_longest_cache_hit),
+    (HybridKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_HYBRID_FIND,
+     hybrid_find_longest_cache_hit),
+    (HybridKVCacheCoordinator, "find_longest_cache_hit_per_group", _ORIGINAL_HYBRID_PER_GROUP,
+     hybrid_find_longest_cache_hit_per_group),
+)
+"""(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""
+
+
+def _seam_name(owner: object, name: str) -> str:
+    prefix = owner.__name__ if owner is _manager_module else f"{owner.__module__}.{owner.__name__}"
+    return f"{prefix}.{name}"
+
+
+def current_mode() -> str:
+    return _mode
+
+
+def install(mode: str) -> bool:
+    """Patch every seam (once) and set the mode (``shadow`` or ``enforce``).
+
+    Returns:
+        False, with one error log line and nothing patched, if another plugin already replaced a seam.
+    """
+    global _mode
+    assert mode in ("shadow", "enforce"), mode
+    if _mode == mode:
+        return True
+    for owner, name, original, replacement in SEAMS:
+        current = vars(owner)[name]
+        if current is not original and current is not replacement:
+            log_once(logging.ERROR, "kvhit: %s was already replaced by %r; vLLM is left as it is",
+                     _seam_name(owner, name), current)
+            return False
+    for owner, name, _, replacement in SEAMS:
+        setattr(owner, name, replacement)
+    _mode = mode
+    log_once(logging.INFO, "kvhit: mode %s on vLLM %s: replaced %s", mode, VLLM_VERSION,
+             ", ".join(_seam_name(owner, name) for owner, name, _, _ in SEAMS))
+    return True
+
+
+def uninstall() -> None:
+    """Restore every original attribute."""
+    global _mode
+    if _mode == "off":
+        return
+    for owner, name, original, _ in SEAMS:
+        setattr(owner, name, original)
+    _mode = "off"
+    log_once(logging.INFO, "kvhit: uninstalled; vLLM's originals restored")
+
+

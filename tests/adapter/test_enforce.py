@@ -1,0 +1,293 @@
+"""KVHIT_MODE=enforce on vLLM 0.33.0's real KV cache manager: the hit is the reference policy's.
+
+Each expected hit is ``kvhit.refimpl``'s reference policy on the catalogue layout and on the cache as the
+conformance harness reads it out of vLLM's block pool (``tests/adapter/layouts.py``); the adapter's own
+layout mapping and cache oracle play no part in it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import kvhit.adapters.vllm as kvhit_vllm
+import kvhit.refimpl as R
+from kvhit.adapters.vllm import v0_33
+from tests.adapter.layouts import (
+    expected_reference_hit,
+    harness_layout,
+    refimpl_layout,
+    speculation,
+    unsound_blocks,
+)
+from tests.conformance.vllm_harness import VllmHarness
+
+# (catalogue layout, DCP sizes, prompt length)
+LAYOUTS = [
+    ("full16", (1, 2, 4, 8), 1000),
+    ("llama_eagle", (1, 2, 4, 8), 1000),
+    ("gemma", (1,), 1024),
+    ("qwen3next", (1, 2, 4, 8), 11910),
+    ("qwen3next_pmu160", (1,), 11910),
+    ("three_kind", (1,), 11910),
+    ("dsv4_cuda", (1,), 3000),
+    ("dsv4_report", (1,), 46240),
+    ("chunked64", (1,), 1000),
+]
+MODES = ("none", "lookahead", "drop")
+
+
+def _cases():
+    for name, dcps, n in LAYOUTS:
+        for dcp in dcps:
+            for mode in MODES:
+                if name == "chunked64" and mode == "drop":
+                    continue  # vLLM and the spec reject the EAGLE drop with chunked local attention
+                for retention in (0, None):
+                    yield pytest.param(name, dcp, n, mode, 1, retention,
+                                       id=f"{name}-dcp{dcp}-{mode}-ri{retention}")
+    for mode in ("lookahead", "drop"):  # Qwen3-Next-like with multi-module MTP, 2 speculative tokens
+        for retention in (0, None):
+            yield pytest.param("qwen3next", 1, 11910, mode, 2, retention,
+                               id=f"qwen3next-dcp1-{mode}-mtp2-ri{retention}")
+
+
+def _harness(name, dcp, n, mode, k=1, retention=0):
+    """A harness whose model length fits the stream's longest prompt, ``n + 1.5 S`` plus decode steps."""
+    S = R.derive_sizes(refimpl_layout(name, dcp), speculation("none")).scheduler_block
+    return VllmHarness(harness_layout(name, dcp), mode, num_speculative_tokens=k, multi_module_mtp=k > 1,
+                       retention_interval=retention, max_model_len=n + 2 * S + 64)
+
+
+def _stock(coordinator, block_hashes, max_length):
+    """vLLM's own answer on the same coordinator and pool."""
+    if isinstance(coordinator, v0_33.HybridKVCacheCoordinator):
+        return v0_33._ORIGINAL_HYBRID_FIND(coordinator, block_hashes, max_length)
+    return v0_33._ORIGINAL_UNITARY_FIND(coordinator, block_hashes, max_length)
+
+
+def _ids(blocks):
+    return [[b.block_id for b in group] for group in blocks]
+
+
+def _check_probe(harness, layout, spec, tokens, what):
+    """Look ``tokens`` up through ``KVCacheManager.get_computed_blocks`` and check it against the
+    reference; returns ``(hit, spb)``."""
+    request = harness._new_request(tokens)
+    blocks, hit, spb = harness.manager.get_computed_blocks(request)
+    expected = expected_reference_hit(harness, layout, spec, tokens)
+    stock = _stock(harness.manager.coordinator, request.block_hashes, len(tokens) - 1)
+    context = (f"{layout.name} dcp{layout.dcp} {spec.describe()} {what}: N={len(tokens)} enforce={hit} "
+               f"reference={expected} vLLM={stock[1]}; cache={harness.retained(tokens)}")
+    assert hit == expected, context
+    assert not unsound_blocks(harness, tokens, blocks.blocks, hit), context
+    if stock[1] == hit:
+        # Same hit: exactly vLLM's blocks and shared-prefix boundary.
+        assert _ids(blocks.blocks) == _ids(stock[0]), context
+        assert spb == (hit + stock[2] if stock[2] else 0), context
+    return hit, spb
+
+
+def _fallbacks(layout_label):
+    return v0_33.ENFORCE_FALLBACKS.labels(layout_label)._value.get()
+
+
+@pytest.mark.parametrize("name, dcp, n, mode, k, retention", list(_cases()))
+def test_enforce_hit_is_the_reference_hit_on_request_streams(name, dcp, n, mode, k, retention):
+    """Serve, probe, evict and serve again: every lookup gives the reference hit on the pool's cache,
+    with blocks that carry the request's hashes (vLLM's own blocks whenever the hits agree)."""
+    assert kvhit_vllm.install("enforce")
+    harness = _harness(name, dcp, n, mode, k, retention)
+    model = v0_33._models[harness.manager.coordinator]
+    assert model is not None, "catalogue layouts are modelled"
+    layout, spec = refimpl_layout(name, dcp), speculation(mode, k, k > 1)
+    rng = random.Random(f"{name}/{dcp}/{mode}/{k}/{retention}")
+    S = harness.sizes["S"]
+
+    def fresh(m):
+        return [rng.randrange(1, 50000) for _ in range(m)]
+
+    base = fresh(n)
+    sibling = base[: 2 * n // 3] + fresh(n - 2 * n // 3)
+    extension = base + fresh(S + S // 2)
+    prefix = base[: n // 2 + 7]
+
+    harness.serve(base)
+    for what, tokens in (("repeat", base), ("prefix", prefix), ("extension", extension)):
+        _check_probe(harness, layout, spec, tokens, what)
+    harness.serve(sibling)
+    for what, tokens in (("repeat", base), ("sibling", sibling)):
+        _check_probe(harness, layout, spec, tokens, what)
+    harness.evict(rng.randrange(1, 40))
+    for what, tokens in (("after eviction", base), ("sibling after eviction", sibling),
+                         ("extension after eviction", extension)):
+        _check_probe(harness, layout, spec, tokens, what)
+    harness.serve(base)
+    harness.serve(extension)
+    for what, tokens in (("second repeat", base), ("extension repeat", extension)):
+        _check_probe(harness, layout, spec, tokens, what)
+    assert _fallbacks(model.label) == 0
+
+
+def test_enforce_keeps_the_eagle_block_the_unitary_coordinator_drops():
+    """F2: full attention, block 16, drop mode, N = 1024: vLLM 0.33 returns 992 where 1008 is safe."""
+    assert kvhit_vllm.install("enforce")
+    harness = _harness("full16", 1, 1024, "drop")
+    tokens = list(range(1, 1025))
+    harness.serve(tokens)
+    request = harness._new_request(tokens)
+    assert _stock(harness.manager.coordinator, request.block_hashes, 1023)[1] == 992
+    hit, _ = _check_probe(harness, refimpl_layout("full16"), speculation("drop"), tokens, "repeat")
+    assert hit == 1008
+
+
+def _dsv4_report_tokens():
+    return [random.Random(46240).randrange(1, 50000) for _ in range(46240)]
+
+
+@pytest.mark.parametrize("mode", ["drop", "lookahead"])
+def test_deepseek_v4_report_first_repeat_hits_32768_with_dense_retention(mode):
+    """The report's layout (alignment 16384), N = 46240: the first repeat gets 32768 (historical: 16384)
+    when the sliding-window groups retain every aligned boundary."""
+    assert kvhit_vllm.install("enforce")
+    harness = _harness("dsv4_report", 1, 46240, mode, retention=None)
+    tokens = _dsv4_report_tokens()
+    harness.serve(tokens)
+    hit, _ = _check_probe(harness, refimpl_layout("dsv4_report"), speculation(mode), tokens, "repeat")
+    assert hit == 32768
+
+
+def test_stock_deepseek_v4_report_first_repeat_is_16384_at_default_retention():
+    """The baseline of the report on vLLM 0.33.0 itself: with the default retention (0) the sliding-window
+    groups keep their state only at the drop-mode replay boundary 16384, so the first repeat gets 16384."""
+    harness = _harness("dsv4_report", 1, 46240, "drop", retention=0)
+    tokens = _dsv4_report_tokens()
+    harness.serve(tokens)
+    assert harness.probe(tokens) == {"hit": 16384, "spb": 32768}
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param("drop", marks=pytest.mark.xfail(
+        strict=True, reason="needs the write side: at retention 0 vLLM's replay boundaries keep the "
+                            "sliding-window state only at 16384 (issue 5, write side)")),
+    "lookahead",
+])
+def test_deepseek_v4_report_first_repeat_hits_32768_at_default_retention(mode):
+    assert kvhit_vllm.install("enforce")
+    harness = _harness("dsv4_report", 1, 46240, mode, retention=0)
+    tokens = _dsv4_report_tokens()
+    harness.serve(tokens)
+    hit, _ = _check_probe(harness, refimpl_layout("dsv4_report"), speculation(mode), tokens, "repeat")
+    assert hit == 32768
+
+
+def test_enforce_keeps_the_shared_prefix_junction_so_the_second_repeat_recovers():
+    """DeepSeek-V4 (CUDA layout), drop mode, retention 0: the first repeat is limited by the sliding-window
+    groups, but the lookup reports the full-attention prefix as an uncached shared prefix, the write side
+    pins it, and the second repeat gets the steady-state hit (the reference on a cache holding the whole
+    prompt)."""
+    assert kvhit_vllm.install("enforce")
+    layout, spec, n = refimpl_layout("dsv4_cuda"), speculation("drop"), 3000
+    harness = _harness("dsv4_cuda", 1, n, "drop", retention=0)
+    tokens = [random.Random(3000).randrange(1, 50000) for _ in range(n)]
+    harness.serve(tokens)
+    first, spb = _check_probe(harness, layout, spec, tokens, "first repeat")
+    steady = R.hit(layout, spec, n, [n] * len(R.derive_sizes(layout, spec).groups), "reference")
+    assert first < steady and spb == steady
+    harness.serve(tokens)
+    second, _ = _check_probe(harness, layout, spec, tokens, "second repeat")
+    assert second == steady
+
+
+@pytest.mark.parametrize("mode, retention", [("drop", 0), ("drop", None), ("lookahead", 0), ("none", 0)])
+def test_enforce_per_group_lookup_gives_each_groups_own_reference_hit(mode, retention):
+    """``find_longest_cache_hit_per_group`` (KV connectors' lookup): each spec group's hit is the longest
+    multiple of A, at most min(N - 1, |H| h), that the group serves on its own."""
+    assert kvhit_vllm.install("enforce")
+    n = 11910
+    harness = _harness("qwen3next", 1, n, mode, retention=retention)
+    layout, spec = refimpl_layout("qwen3next"), speculation(mode)
+    rng = random.Random(11910)
+    tokens = [rng.randrange(1, 50000) for _ in range(n)]
+    harness.serve(tokens[:8000] + [rng.randrange(1, 50000) for _ in range(n - 8000)])
+    harness.serve(tokens)
+    harness.evict(3)
+    request = harness._new_request(tokens)
+    blocks, hits = harness.manager.coordinator.find_longest_cache_hit_per_group(request.block_hashes, n - 1)
+
+    sizes = R.derive_sizes(layout, spec)
+    retained = harness.retained(tokens)
+    cache = R.as_cache([set.intersection(*(set(retained[m]) for m in sg.members)) for sg in sizes.groups])
+    reach = len(request.block_hashes) * sizes.hash_block
+    bound, extents = min(n - 1, reach), R.group_extents(cache, sizes, reach)
+    for k, sg in enumerate(sizes.groups):
+        expected = max((x for x in range(0, bound + 1, sizes.alignment)
+                        if x == 0 or R.group_serves(cache, sizes, k, x, extents[k], reach, R.REFERENCE)))
+        for gid in sg.members:
+            assert hits[gid] == expected, (mode, retention, k, hits, retained)
+    for gid, hit in enumerate(hits):
+        group_only = [list(blocks[g]) if g == gid else [] for g in range(len(blocks))]
+        problems = [p for p in unsound_blocks(harness, tokens, tuple(group_only), hit)
+                    if p.startswith(f"group {gid}:")]
+        assert not problems, problems
+
+
+def test_coordinator_built_outside_kv_cache_manager_stays_stock(kvhit_log):
+    """A KV connector's own coordinator (e.g. SimpleCPUOffload's CPU coordinator, built by calling
+    ``get_kv_cache_coordinator`` directly) keeps vLLM's policy, and that is reported once."""
+    from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+
+    assert kvhit_vllm.install("enforce")
+    harness = _harness("full16", 1, 1024, "drop")
+    tokens = list(range(1, 1025))
+    harness.serve(tokens)
+    manager = harness.manager
+    copy = get_kv_cache_coordinator(
+        kv_cache_config=harness.kv_cache_config, max_model_len=manager.max_model_len,
+        max_in_flight_tokens=8192, use_eagle=True, enable_caching=True, enable_kv_cache_events=False,
+        dcp_world_size=1, pcp_world_size=1, scheduler_block_size=16, hash_block_size=16,
+        num_prefill_lookahead=1)
+    copy.block_pool = manager.block_pool  # the connector looks up the same cached blocks
+    for m in copy.single_type_managers:
+        m.block_pool = manager.block_pool
+    request = harness._new_request(tokens)
+    assert copy.find_longest_cache_hit(request.block_hashes, 1023)[1] == 992
+    assert manager.coordinator.find_longest_cache_hit(request.block_hashes, 1023)[1] == 1008
+    copy.find_longest_cache_hit(request.block_hashes, 1023)
+    notes = [r.getMessage() for r in kvhit_log.records if "not built by KVCacheManager" in r.getMessage()]
+    assert len(notes) == 1
+
+
+def test_layout_outside_the_spec_is_left_stock_and_reported_once(kvhit_log):
+    """A hidden-state cache group (``HiddenStateCacheSpec``, looked up like full attention) is not a kind
+    the spec models: vLLM keeps its lookup (992 in drop mode, where the reference would say 1008)."""
+    import torch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, KVCacheConfig, KVCacheGroupSpec
+
+    assert kvhit_vllm.install("enforce")
+    init_none_hash(sha256)
+    spec = HiddenStateCacheSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    config = KVCacheConfig(num_blocks=300, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+                           prefix_cache_retention_interval=0)
+    manager = KVCacheManager(kv_cache_config=config, max_model_len=2048, scheduler_block_size=16,
+                             hash_block_size=16, enable_caching=True, use_eagle=True,
+                             num_prefill_lookahead=1)
+    assert v0_33._models[manager.coordinator] is None
+    warnings = [r.getMessage() for r in kvhit_log.records if "not modelled" in r.getMessage()]
+    assert len(warnings) == 1 and "HiddenStateCacheSpec" in warnings[0]
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    tokens = list(range(1, 1025))
+    hasher = get_request_block_hasher(16, sha256, 0)
+    request = Request("r0", tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    manager.allocate_slots(request, 1024)
+    manager.free(request)
+    again = Request("r1", tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    assert manager.get_computed_blocks(again)[1] == 992

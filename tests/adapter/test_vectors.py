@@ -1,0 +1,76 @@
+"""Every pinned counterexample (``tests/vectors/hit_tokens``), replayed on vLLM's real classes: the block
+pool is seeded with the vector's cache state and the enforced lookup must give the reference hit.
+
+Among them are the states where vLLM 0.33.0 itself goes wrong: the Unitary drop losing a safe block (F2)
+and lookups reading past the request's hashes, which raise ``IndexError`` in vLLM (F1).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+import kvhit.adapters.vllm as kvhit_vllm
+import kvhit.refimpl as R
+from kvhit.adapters.vllm import v0_33
+from kvhit.proofs.model import cache_from_runs
+from tests.adapter.layouts import harness_layout, unsound_blocks
+from tests.conformance.vllm_harness import VllmHarness
+from tests.regressions.test_counterexamples import VECTORS, _config
+
+
+def _refimpl(config):
+    layout = config.layout
+    groups = tuple(R.Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
+                           g.tokens_per_state) for g in layout.groups)
+    s = config.speculation
+    return (R.Layout(groups, layout.dcp, layout.prefix_match_unit, layout.name),
+            R.Speculation(s.mode.value, s.num_speculative_tokens, s.multi_module_mtp))
+
+
+@pytest.mark.parametrize("path", VECTORS, ids=[p.stem for p in VECTORS])
+def test_enforce_gives_the_reference_hit_on_every_pinned_counterexample_state(path):
+    record = json.loads(path.read_text())
+    config = _config(record)
+    layout, spec = _refimpl(config)
+    n = record["N"]
+    assert kvhit_vllm.install("enforce")
+    harness = VllmHarness(harness_layout(config.layout, config.layout.dcp), spec.mode.value,
+                          num_speculative_tokens=max(1, spec.num_speculative_tokens),
+                          multi_module_mtp=spec.multi_module_mtp, max_model_len=n + 64)
+    tokens = [random.Random(path.stem).randrange(1, 50000) for _ in range(n)]
+    request = harness._new_request(tokens)
+    hashes = request.block_hashes
+
+    # Seed the pool: spec group k holds boundary x (within the hashes) as the vector says.
+    runs = {(int(k), item["unit"]): [tuple(span) for span in item["blocks"]]
+            for k, items in record["cache"].items() for item in items}
+    vector_cache, _ = cache_from_runs(runs)
+    sizes = R.derive_sizes(layout, spec)
+    h = sizes.hash_block
+    pool = harness.manager.block_pool
+    free = iter(pool.blocks[1:])
+    seeded = set()
+    for k, sg in enumerate(sizes.groups):
+        for j in range(len(hashes)):
+            if vector_cache.has(k, (j + 1) * h):
+                seeded.add((k, (j + 1) * h))
+                for gid in sg.members:
+                    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[j], gid),
+                                                           next(free))
+
+    expected = R.hit(layout, spec, n, R.CacheState(lambda k, x: (k, x) in seeded), "reference")
+    assert expected == record["hits"]["reference"]
+    blocks, hit, _ = harness.manager.coordinator.find_longest_cache_hit(hashes, n - 1)
+    original = v0_33._ORIGINAL_UNITARY_FIND if sizes.unitary else v0_33._ORIGINAL_HYBRID_FIND
+    try:
+        stock = original(harness.manager.coordinator, hashes, n - 1)[1]  # only for the message
+    except IndexError as e:
+        stock = f"IndexError: {e}"
+    assert hit == expected, f"{path.stem}: enforce {hit}, reference {expected}, vLLM {stock}"
+    assert not unsound_blocks(harness, tokens, blocks, hit)
+    assert v0_33.ENFORCE_FALLBACKS.labels(v0_33._models[harness.manager.coordinator].label)._value.get() == 0
