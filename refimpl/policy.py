@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
-Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: f35a930c9b7425c88510f20cf199d03b066383e95a6ef1327d6e3643a171da61
-output-sha256: 59600e9b4ba0e3200e42b5f7c6549bf1f3a325d01e649a5d38b308d4b80c8a09
+Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
+spec-sha256: afa0840333408ea9e228f565d781cf9ba10e66a39ae1ccbf54762d21b18c0016
+output-sha256: fec26c02f338c37fcad7843dc5971e2a68ed24af81f6420ea516b6af68e5d06b
 """
 
 import itertools
@@ -255,6 +255,8 @@ class Sizes:
         groups: the spec groups, full attention first (vLLM's lookup order).
         unitary: one KV-cache group (vLLM ``UnitaryKVCacheCoordinator``).
         hash_lookahead: ``L``; prefill_lookahead: ``Lp``; drop: whether EAGLE groups drop.
+        config_block: the smallest per-rank block of the layout (vLLM ``cache_config.block_size``, which
+            the scheduler's Mamba chunk rules use).
     """
     scheduler_block: int
     hash_block: int
@@ -267,6 +269,7 @@ class Sizes:
     prefill_lookahead: int
     drop: bool
     dcp: int
+    config_block: int = 0
 
     @property
     def eagle_unit(self) -> int:
@@ -358,7 +361,7 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
             raise ValueError(f'group {i}: hit alignment {alignment} is not a multiple of its tokens_per_state {g.tokens_per_state} (vLLM raises the same)')
     if (flagged or speculation.drop) and speculation.prefill_lookahead > scheduler_block:
         raise ValueError(f'scheduler block {scheduler_block} is shorter than the prefill lookahead {speculation.prefill_lookahead} (vLLM raises the same)')
-    return Sizes(scheduler_block, h, partial, alignment, blocks, tuple(groups), unitary, speculation.hash_lookahead, speculation.prefill_lookahead, speculation.drop, layout.dcp)
+    return Sizes(scheduler_block, h, partial, alignment, blocks, tuple(groups), unitary, speculation.hash_lookahead, speculation.prefill_lookahead, speculation.drop, layout.dcp, min((g.block_size for g in layout.groups)))
 
 def num_hashes(sizes: Sizes, n_tokens):
     """``|H|``: block hashes a request of ``n_tokens`` has. With lookahead hashes a block's hash waits
@@ -382,6 +385,10 @@ def align(sizes: Sizes, x):
 # KV-cache group of the spec group (vLLM: ``BlockPool.get_cached_block``). A block of ``u`` tokens with index
 # ``j`` is cached when boundary ``(j + 1) * u`` is. The Z3 lowering gives the same two queries a symbolic
 # meaning (:class:`kvhit.spec.lower_z3.SymbolicCache`); here they are plain loops over the oracle.
+#
+# The write side describes what a request leaves behind as one :class:`Held` per spec group; the same
+# description is read here by plain loops (:func:`written_cache`) and in Z3 by a decision procedure over
+# its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`).
 # --------------------------------------------------------------------------------------------------
 
 class CacheState:
@@ -430,6 +437,68 @@ class CacheState:
         ext = list(extents)
         return cls(lambda k, x: 0 < x <= ext[k])
 
+@dataclass(frozen=True)
+class Held:
+    """What one spec group holds of a prompt after the write side has run: positions in tokens.
+
+    Attributes:
+        kind, block: the spec group's kind and effective block.
+        unit: the unit its single boundaries are read at (the alignment when it is looked up at hash
+            granularity, else its block).
+        extent: no block ends past it (the cacheable, prompt-only prefix).
+        every: every boundary up to ``extent`` is held (full attention always; a sliding window whose
+            mask keeps every block; every Mamba state).
+        points: single held boundaries (full attention's partial tail; Mamba states).
+        ends: sliding window: positions where an explicitly kept tail of ``need`` blocks ends.
+        need: sliding window: blocks per kept tail.
+        shift: sliding window: blocks a tail reaches past its boundary (1 when the group drops).
+        period: tokens between periodic tails (sliding window) or states (Mamba); 0 for none. Periodic
+            sliding-window tails end at ``shift * block + m * period`` for ``m >= 1``.
+    """
+    kind: Kind
+    block: int
+    unit: int
+    extent: object = 0
+    every: bool = False
+    points: tuple = ()
+    ends: tuple = ()
+    need: int = 0
+    shift: int = 0
+    period: int = 0
+
+def holds_block(g: Held, j):
+    """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
+    if (j + 1) * g.block > g.extent:
+        return False
+    if g.every:
+        return True
+    per = g.period // g.block
+    if per > 0 and j >= g.shift and ((j - g.shift) % per >= per - g.need):
+        return True
+    for end in g.ends:
+        if end - g.need * g.block <= j * g.block < end:
+            return True
+    return False
+
+def holds(g: Held, x):
+    """Whether a group holds the hash of the block ending at token ``x`` (Python only)."""
+    if x <= 0:
+        return False
+    if g.kind is Kind.SWA:
+        return x % g.block == 0 and holds_block(g, x // g.block - 1)
+    if x in g.points:
+        return True
+    if x > g.extent:
+        return False
+    if g.kind is Kind.MAMBA:
+        return x % g.unit == 0 and (g.every or (g.period > 0 and x % g.period == 0))
+    return x % g.block == 0
+
+def written_cache(groups):
+    """A cache whose group ``k`` holds what ``groups[k]`` (a :class:`Held`) says."""
+    held = tuple(groups)
+    return CacheState(lambda k, x: holds(held[k], x))
+
 
 # --------------------------------------------------------------------------------------------------
 # spec/policy.py
@@ -464,6 +533,13 @@ class Rules:
         drop_once: an EAGLE group drops once per lookup (vLLM's ``eagle_verified`` set); without it, it
             drops again on every pass of the loop (vLLM #32802).
         scale_replicated: DCP scales every group's block, sharded or not.
+        replay: where the write side keeps state for a later request (:mod:`kvhit.spec.retention`):
+            ``"vllm"`` (vLLM 0.33's ``replay_boundaries``), ``"prompt_end"`` (``N - 1`` only, before the
+            EAGLE-aware boundaries), ``"resume"`` (the read side's own resume points).
+        checkpoint_drop: the scheduler's Mamba prompt checkpoint accounts for the EAGLE drop.
+        sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
+        junction: where a request records its shared-prefix junction: ``"uncached"`` (vLLM ``hit +
+            num_uncached``) or ``"next_block"`` (one scheduler block past the hit).
     """
     name: str
     declarative: bool = False
@@ -474,17 +550,24 @@ class Rules:
     pop_after_peek: bool = True
     drop_once: bool = True
     scale_replicated: bool = False
-REFERENCE = Rules('reference', declarative=True)
+    replay: str = 'vllm'
+    checkpoint_drop: bool = True
+    sparse_zero: bool = True
+    junction: str = 'uncached'
+REFERENCE = Rules('reference', declarative=True, replay='resume')
 VLLM_0_33 = Rules('vllm_0_33')
-HISTORICAL = Rules('historical', eagle_margin=False)
+HISTORICAL = Rules('historical', eagle_margin=False, replay='prompt_end', checkpoint_drop=False)
 HISTORICAL_REPEAT_DROP = Rules('historical_repeat_drop', eagle_margin=False, drop_once=False)
 NO_LAST_TOKEN_CAP = replace(REFERENCE, name='no_last_token_cap', last_token_recomputed=False)
 EAGLE_NEVER_RECOMPUTES = replace(REFERENCE, name='eagle_never_recomputes', eagle_recompute=False)
 PEEK_WITHOUT_POP = replace(VLLM_0_33, name='peek_without_pop', pop_after_peek=False)
 PEEK_PAST_HASHES = replace(VLLM_0_33, name='peek_past_hashes', peek_within_hashes=False)
 DCP_SCALES_REPLICATED = replace(REFERENCE, name='dcp_scales_replicated', scale_replicated=True)
+RETAIN_PROMPT_END = replace(REFERENCE, name='retain_prompt_end', replay='prompt_end')
+RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name='retain_every_boundary', sparse_zero=False)
+JUNCTION_PAST_HIT = replace(HISTORICAL, name='junction_past_hit', junction='next_block')
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
-KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED)}
+KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
 
 def max_cache_hit_length(n_tokens, rules: Rules):
@@ -532,12 +615,14 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     need = -(-(sg.window - 1) // b)
     top = max_length // b * b
     found_keep = max_aligned(a, top, lambda x: x >= need * b and cache.window(k, x, b, need, 0))
-    found_drop = max_aligned(a, top - b, lambda x: x >= need * b and cache.window(k, x, b, need, 1))
     run = cache.run_from(k, 0, b, max_length // b) * b
     short_keep = run // a * a
+    keep = found_keep if found_keep > 0 else short_keep
+    if drop is False:
+        return (keep, top)
+    found_drop = max_aligned(a, top - b, lambda x: x >= need * b and cache.window(k, x, b, need, 1))
     gated = ((run - b) // a * a + b if run >= b else 0) // a * a
     short_drop = (gated - b) // a * a if gated > 0 else 0
-    keep = found_keep if found_keep > 0 else short_keep
     dropped = found_drop if found_drop > 0 else short_drop
     return (dropped if drop else keep, top)
 
@@ -747,6 +832,353 @@ def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     if sizes.unitary:
         return unitary_hit_tokens(cache, sizes, n_tokens, rules)
     return hybrid_hit_tokens(cache, sizes, n_tokens, rules)
+
+
+# --------------------------------------------------------------------------------------------------
+# spec/retention.py
+# The write side: what a request leaves in the cache, and where a later request can resume.
+#
+# A request with prompt ``N`` is admitted with a hit of ``start`` tokens and a shared-prefix junction ``J``
+# (vLLM ``shared_prefix_boundary``; -1 for none), prefilled in the chunks the scheduler cuts, samples one
+# token and ends. The write side says, per spec group, which of the prompt's block boundaries stay
+# findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then consumes
+# (:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that shares
+# the ``N`` tokens: a block hash past them covers tokens past the prompt.
+#
+# Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
+#
+# * ``replay``: where the masks keep state. vLLM 0.33 (``"vllm"``): ``replay_boundaries`` (``N - 1``, or
+#   with an EAGLE drop one scheduler block below the last and the resend's aligned boundaries); historical
+#   (``"prompt_end"``): ``N - 1`` always; reference (``"resume"``): the points the read side itself resumes
+#   at, computed by the read side on the cache the request would leave if every state were retained. One
+#   definition, two views: what is retained is what is resumed at.
+# * ``checkpoint_drop``: the Mamba prompt checkpoint the scheduler stops at accounts for the EAGLE drop
+#   (vLLM 0.33) or not (historical).
+# * ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``).
+#
+# Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
+# chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, and a later
+# request keeps the whole tail at its junction (vLLM keeps only the blocks it computed).
+# --------------------------------------------------------------------------------------------------
+
+NO_JUNCTION = -1
+
+def check_retention(sizes: Sizes, interval):
+    """vLLM ``_validate_prefix_cache_retention_interval``: ``None`` (dense), 0 (replay boundaries only)
+    or a positive multiple of the scheduler block; anything but 0 needs a sliding-window or Mamba group.
+
+    Raises:
+        ValueError: any other value, naming it and the scheduler block.
+    """
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0 or (interval % sizes.scheduler_block != 0)):
+        raise ValueError(f'retention interval {interval!r} must be None, 0 or a positive multiple of the scheduler block {sizes.scheduler_block}')
+    if any((sg.kind is Kind.CHUNKED for sg in sizes.groups)):
+        raise ValueError('the write side does not model chunked local attention (its blocks before the current chunk are never cached)')
+    sparse_kinds = [sg for sg in sizes.groups if sg.kind in (Kind.SWA, Kind.MAMBA)]
+    if interval != 0 and (not sparse_kinds):
+        raise ValueError(f'retention interval {interval!r} needs a sliding-window or Mamba group; this layout has none, so use 0 (vLLM raises the same)')
+
+def checkpoint_position(n_tokens, unit: int, drop: bool, lookahead: int):
+    """vLLM ``get_mamba_prefill_checkpoint_position``: the prompt's reusable Mamba boundary, leaving the
+    last token (or the ``L`` lookahead tokens) to recompute; with the EAGLE drop, one unit lower."""
+    if drop:
+        return max(n_tokens // unit * unit - unit, 0)
+    return max((n_tokens - max(1, lookahead)) // unit * unit, 0)
+
+def reprefillable(sizes: Sizes) -> int:
+    """Tokens multi-module MTP may prefill again (vLLM ``num_reprefillable_tokens``)."""
+    return max(0, sizes.prefill_lookahead - 1)
+
+def align_cacheable(sizes: Sizes, x):
+    """vLLM ``_align_cacheable``: hits are scheduler-block aligned unless partial hits are on."""
+    if sizes.partial_hits:
+        return x
+    return x // sizes.scheduler_block * sizes.scheduler_block
+
+def cacheable_tokens(sizes: Sizes, k, computed):
+    """vLLM ``get_num_cacheable_tokens`` for spec group ``k`` after ``computed`` tokens.
+
+    One group: all but the reprefillable tail. Hybrid: the aligned prefix; a dropping group also one
+    block past the aligned boundary (the EAGLE peek), within the finalized tokens.
+    """
+    finalized = max(0, computed - reprefillable(sizes))
+    if sizes.unitary:
+        return finalized
+    aligned = align_cacheable(sizes, computed)
+    if sizes.groups[k].drops:
+        return min(finalized, align_cacheable(sizes, finalized) + sizes.groups[k].block) if aligned > 0 else aligned
+    return aligned
+
+def group_extent(sizes: Sizes, k, n_tokens):
+    """The prompt-only blocks spec group ``k`` caches: within its cacheable tokens and ``N - L``."""
+    reach = min(cacheable_tokens(sizes, k, n_tokens), n_tokens - sizes.hash_lookahead)
+    return max(reach, 0) // sizes.groups[k].block * sizes.groups[k].block
+
+def read_unit(sizes: Sizes, k) -> int:
+    """The unit spec group ``k``'s single boundaries are read at."""
+    sg = sizes.groups[k]
+    if sg.fine:
+        return sizes.alignment
+    return sg.block
+
+def partial_tails(sizes: Sizes, k, n_tokens):
+    """vLLM ``FullAttentionManager._cache_partial_tail_block``: the boundary inside a block that a
+    full-attention group whose block exceeds the hash unit registers at each caching call, from the
+    hashes the request has then: at schedule time (``N`` tokens) and, with a drafter, again after the
+    sampled token. A later call that caches the block whole drops the earlier entry. -1 for none."""
+    sg = sizes.groups[k]
+    h = sizes.hash_block
+    if sg.block == h:
+        return ()
+    limit = (n_tokens if sg.drops else n_tokens - 1) // h * h
+    cacheable = cacheable_tokens(sizes, k, n_tokens)
+    calls = (n_tokens, n_tokens + 1) if sizes.prefill_lookahead > 0 else (n_tokens,)
+    points = []
+    full_before = 0
+    for tokens in calls:
+        covered = max(0, tokens - sizes.hash_lookahead) // h * h
+        full = min(cacheable, covered) // sg.block * sg.block
+        points = [NO_JUNCTION if full_before <= p // sg.block * sg.block and p // sg.block * sg.block < full else p for p in points]
+        x = min(limit, covered)
+        ok = x > 0 and x <= cacheable and not_multiple(x, sg.block)
+        points = [NO_JUNCTION if ok and p // sg.block * sg.block == x // sg.block * sg.block else p for p in points]
+        points.append(x if ok and x <= n_tokens - sizes.hash_lookahead else NO_JUNCTION)
+        full_before = full
+    return tuple(points)
+
+def not_multiple(x, unit: int):
+    return x - x // unit * unit > 0
+
+def dense_groups(sizes: Sizes, n_tokens):
+    """What the request would leave if every state were retained: each group holds every boundary up to
+    its extent (full attention also its partial tail)."""
+    out = []
+    for k, sg in enumerate(sizes.groups):
+        points = ()
+        if sg.kind is Kind.FULL:
+            points = partial_tails(sizes, k, n_tokens)
+        out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True, points))
+    return tuple(out)
+
+def far_sibling(sizes: Sizes, n_tokens):
+    """A longer prompt sharing the ``N`` tokens whose own cap and hashes do not bind."""
+    return n_tokens + 2 * sizes.scheduler_block + sizes.hash_lookahead + 1
+
+def resume_points(sizes: Sizes, n_tokens, rules: Rules):
+    """Where the read side resumes, with every state retained: a resend, a sibling one token longer, and a
+    far sibling (kvhit's reference replay boundaries)."""
+    dense = written_cache(dense_groups(sizes, n_tokens))
+    resend = hit_tokens(dense, sizes, n_tokens, rules)[0]
+    near = hit_tokens(dense, sizes, n_tokens + 1, rules)[0]
+    far = hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0]
+    return (resend, near, far)
+
+def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules):
+    """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
+
+    vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
+    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
+    """
+    if rules.replay == 'resume':
+        return resume_points(sizes, n_tokens, rules)
+    if rules.replay == 'prompt_end' or not sizes.drop:
+        return (n_tokens - 1,)
+    s = sizes.scheduler_block
+    return (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
+
+def junction_boundaries(sizes: Sizes, k, junction):
+    """The junction, and for a dropping group one block below it (a sibling that diverges right after
+    the junction cannot peek past it). -1 stands for none."""
+    sg = sizes.groups[k]
+    here = junction if junction > 0 else NO_JUNCTION
+    if not sg.drops:
+        return (here,)
+    return (here, junction - sg.block if junction > 0 else NO_JUNCTION)
+
+def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: Rules):
+    """vLLM ``SlidingWindowManager.reachable_block_mask``: the ``need``-block tails a hit needs, ending
+    ``shift`` blocks past each aligned boundary; every ``interval`` tokens (every ``A`` when dense); every
+    block when a tail would cover a whole segment or the alignment is finer than the block."""
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    extent = group_extent(sizes, k, n_tokens)
+    shift = 1 if sg.drops else 0
+    need = -(-(sg.window - 1) // b) + shift
+    if a % b != 0:
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+    dense = interval is None or (interval == 0 and (not rules.sparse_zero))
+    segment = a if dense else interval
+    if segment > 0 and need >= segment // b:
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+    ends = ()
+    if not dense:
+        ends = tuple((x // a * a + shift * b for x in boundaries))
+    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment)
+
+def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
+    """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
+    ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
+    checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
+    block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
+    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
+    big = sizes.config_block
+    drop = sizes.drop and rules.checkpoint_drop
+    lookahead = sizes.hash_lookahead
+    first = checkpoint_position(n_tokens, big, drop, lookahead)
+    stops = [first]
+    if sizes.partial_hits:
+        tail = checkpoint_position(n_tokens, sizes.hash_block, drop, lookahead)
+        stops.append(tail if first < tail and tail < n_tokens else NO_JUNCTION)
+    stops.append(start + (junction - start) // big * big if start < junction and junction < n_tokens else NO_JUNCTION)
+    unaligned = [start] + stops
+    stops += [ceil_to(e, big) for e in unaligned[:1] + unaligned[2:]]
+    stops += [ceil_to(e, block) for e in unaligned]
+    ends = tuple((e if start < e and e < n_tokens else NO_JUNCTION for e in stops))
+    return ends + (n_tokens,)
+
+def ceil_to(x, unit: int):
+    """``x`` rounded up to a multiple of ``unit``."""
+    return -(-x // unit) * unit
+
+def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules):
+    """The Mamba states a request leaves.
+
+    vLLM: a state exists at each chunk end; a block-aligned one is cached when the mask keeps it (every
+    one when dense; one per ``interval`` tokens; the block ending at each aligned boundary), and the
+    prompt checkpoint is registered as a tail whatever the mask says (``_cache_partial_tail_block``).
+    Reference: the scheduler stops at every boundary, so a state exists exactly where it is retained.
+    """
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    unit = read_unit(sizes, k)
+    extent = group_extent(sizes, k, n_tokens)
+    every_block = interval is not None and interval > 0 and (interval // b <= 1)
+    period = interval if interval is not None and interval > 0 and (not every_block) else 0
+    dense = interval is None or every_block or (interval == 0 and (not rules.sparse_zero))
+    aligned = tuple((x // a * a for x in boundaries))
+    if rules.replay == 'resume':
+        points = tuple((x if x > 0 and x <= extent else NO_JUNCTION for x in aligned))
+        every = interval is None or (interval == 0 and (not rules.sparse_zero))
+        period = interval if interval is not None and interval > 0 else 0
+        return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
+    ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules)
+    points = []
+    for e in ends:
+        kept = dense
+        if period > 0:
+            kept = kept or eq_zero_mod(e, period)
+        for x in aligned:
+            kept = kept or e == x // b * b
+        ok = e > 0 and e <= extent and eq_zero_mod(e, b) and kept
+        points.append(e if ok else NO_JUNCTION)
+    drop = sizes.drop and rules.checkpoint_drop
+    tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
+    is_end = False
+    for e in ends:
+        is_end = is_end or e == tail
+    called = cacheable_tokens(sizes, k, tail) == tail or cacheable_tokens(sizes, k, n_tokens) == tail
+    ok = tail > 0 and tail <= n_tokens - sizes.hash_lookahead and is_end and called
+    points.append(tail if ok else NO_JUNCTION)
+    return Held(Kind.MAMBA, b, unit, extent, False, tuple(points))
+
+def eq_zero_mod(x, unit: int):
+    return x - x // unit * unit == 0
+
+def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junction=NO_JUNCTION, again=False):
+    """What a request with prompt ``N``, admitted with a hit of ``start`` tokens and junction ``J``,
+    leaves in the cache: one :class:`Held` per spec group. ``again``: an earlier request with the same
+    prompt already left the replay boundaries' sliding-window tails, so only the junction's are new."""
+    check_retention(sizes, interval)
+    boundaries = replay_boundaries(sizes, n_tokens, rules)
+    out = []
+    for k, sg in enumerate(sizes.groups):
+        at = boundaries + junction_boundaries(sizes, k, junction)
+        if sg.kind is Kind.SWA:
+            if again:
+                at = junction_boundaries(sizes, k, junction)
+            out.append(sliding_window_held(sizes, k, n_tokens, interval, at, rules))
+        elif sg.kind is Kind.MAMBA:
+            out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules))
+        else:
+            points = ()
+            if sg.kind is Kind.FULL:
+                points = partial_tails(sizes, k, n_tokens)
+            out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True, points))
+    return tuple(out)
+
+def merge(old, new):
+    """The cache after a later request with the same prompt wrote ``new`` on top of ``old``."""
+    out = []
+    for g, h in zip(old, new):
+        out.append(Held(g.kind, g.block, g.unit, g.extent, g.every, g.points + h.points, g.ends + h.ends, g.need, g.shift, g.period))
+    return tuple(out)
+
+def junction_of(sizes: Sizes, hit, longest, rules: Rules):
+    """Where a request records its junction: vLLM ``hit + num_uncached`` when something was uncached
+    (``longest`` is the longest candidate the lookup saw), else none."""
+    if rules.junction == 'next_block':
+        return hit + sizes.scheduler_block
+    return longest if longest > hit else NO_JUNCTION
+
+def repeat(sizes: Sizes, n_tokens, interval, rules: Rules, groups):
+    """One more request with the same prompt on the cache ``groups``: ``(hit, junction, groups after)``."""
+    hit, _, longest, _ = hit_tokens(written_cache(groups), sizes, n_tokens, rules)
+    junction = junction_of(sizes, hit, longest, rules)
+    after = merge(groups, request_writes(sizes, n_tokens, interval, rules, hit, junction, True))
+    return (hit, junction, after)
+
+def repeat_hits(sizes: Sizes, n_tokens, interval, rules: Rules, repeats: int):
+    """The hits of ``repeats`` resends of a prompt after its first request on an empty cache."""
+    groups = request_writes(sizes, n_tokens, interval, rules)
+    hits = []
+    for _ in range(repeats):
+        hit, _, groups = repeat(sizes, n_tokens, interval, rules, groups)
+        hits.append(hit)
+    return tuple(hits)
+
+def retained_states(g: Held):
+    """What a group retains: Mamba states (one per distinct position; every state at its unit when it
+    keeps every one), or sliding-window blocks counted as ``need`` per distinct tail (every block when
+    it keeps every one)."""
+    if g.every:
+        return g.extent // (g.block if g.kind is Kind.SWA else g.unit)
+    total = 0
+    if g.period > 0:
+        if g.kind is Kind.SWA:
+            total = max(0, (g.extent + (g.need - g.shift) * g.block - 1) // g.period)
+        else:
+            total = g.extent // g.period
+    seen = []
+    positions = g.ends if g.kind is Kind.SWA else g.points
+    for p in positions:
+        fresh = p > 0
+        if g.kind is Kind.SWA:
+            fresh = fresh and p - g.need * g.block < g.extent
+        if g.period > 0:
+            periodic = eq_zero_mod(p - g.shift * g.block, g.period) and p >= g.shift * g.block + g.period
+            if g.kind is Kind.MAMBA:
+                periodic = eq_zero_mod(p, g.period) and p <= g.extent
+            fresh = fresh and (not periodic)
+        for q in seen:
+            fresh = fresh and (not p == q)
+        total = total + (1 if fresh else 0)
+        seen.append(p)
+    if g.kind is Kind.SWA:
+        return total * g.need
+    return total
+
+def retention_bound(sizes: Sizes, g: Held, n_tokens, interval, boundaries: int):
+    """The most :func:`retained_states` may be for a first request: ``ceil(N / R)`` segments (none when
+    ``R = 0``) plus the replay boundaries, in states, or in tails of ``need`` blocks for a sliding
+    window."""
+    count = boundaries
+    if interval > 0:
+        count = -(-n_tokens // interval) + boundaries
+    if g.kind is Kind.SWA:
+        return count * max(g.need, 1)
+    return count
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,15 @@ A spec group ``k`` "has" boundary ``x`` when the block hash ending at token ``x`
 KV-cache group of the spec group (vLLM: ``BlockPool.get_cached_block``). A block of ``u`` tokens with index
 ``j`` is cached when boundary ``(j + 1) * u`` is. The Z3 lowering gives the same two queries a symbolic
 meaning (:class:`kvhit.spec.lower_z3.SymbolicCache`); here they are plain loops over the oracle.
+
+The write side describes what a request leaves behind as one :class:`Held` per spec group; the same
+description is read here by plain loops (:func:`written_cache`) and in Z3 by a decision procedure over
+its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`).
 """
+
+from dataclasses import dataclass
+
+from .domain import Kind
 
 
 class CacheState:
@@ -52,3 +60,70 @@ class CacheState:
         """A dense cache: spec group ``k`` holds every boundary up to ``extents[k]`` tokens."""
         ext = list(extents)
         return cls(lambda k, x: 0 < x <= ext[k])
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one spec group holds of a prompt after the write side has run: positions in tokens.
+
+    Attributes:
+        kind, block: the spec group's kind and effective block.
+        unit: the unit its single boundaries are read at (the alignment when it is looked up at hash
+            granularity, else its block).
+        extent: no block ends past it (the cacheable, prompt-only prefix).
+        every: every boundary up to ``extent`` is held (full attention always; a sliding window whose
+            mask keeps every block; every Mamba state).
+        points: single held boundaries (full attention's partial tail; Mamba states).
+        ends: sliding window: positions where an explicitly kept tail of ``need`` blocks ends.
+        need: sliding window: blocks per kept tail.
+        shift: sliding window: blocks a tail reaches past its boundary (1 when the group drops).
+        period: tokens between periodic tails (sliding window) or states (Mamba); 0 for none. Periodic
+            sliding-window tails end at ``shift * block + m * period`` for ``m >= 1``.
+    """
+
+    kind: Kind
+    block: int
+    unit: int
+    extent: object = 0
+    every: bool = False
+    points: tuple = ()
+    ends: tuple = ()
+    need: int = 0
+    shift: int = 0
+    period: int = 0
+
+
+def holds_block(g: Held, j):
+    """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
+    if (j + 1) * g.block > g.extent:
+        return False
+    if g.every:
+        return True
+    per = g.period // g.block
+    if per > 0 and j >= g.shift and (j - g.shift) % per >= per - g.need:
+        return True
+    for end in g.ends:
+        if end - g.need * g.block <= j * g.block < end:
+            return True
+    return False
+
+
+def holds(g: Held, x):
+    """Whether a group holds the hash of the block ending at token ``x`` (Python only)."""
+    if x <= 0:
+        return False
+    if g.kind is Kind.SWA:
+        return x % g.block == 0 and holds_block(g, x // g.block - 1)
+    if x in g.points:
+        return True
+    if x > g.extent:
+        return False
+    if g.kind is Kind.MAMBA:
+        return x % g.unit == 0 and (g.every or (g.period > 0 and x % g.period == 0))
+    return x % g.block == 0
+
+
+def written_cache(groups):
+    """A cache whose group ``k`` holds what ``groups[k]`` (a :class:`Held`) says."""
+    held = tuple(groups)
+    return CacheState(lambda k, x: holds(held[k], x))

@@ -22,7 +22,7 @@ from .terms import OPERATORS
 
 SPEC_DIR = Path(__file__).resolve().parent
 # In dependency order. terms/lower_z3/codegen are the lowering machinery, not part of the policy.
-SOURCES = ("runtime", "domain", "sizes", "cache", "policy", "api")
+SOURCES = ("runtime", "domain", "sizes", "cache", "policy", "retention", "api")
 STDLIB_IMPORTS = ("import itertools", "import math", "from dataclasses import dataclass, field, replace",
                   "from enum import Enum")
 

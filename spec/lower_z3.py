@@ -18,10 +18,11 @@ exists with at most that many runs per group and unit, and the checks allocate t
 from __future__ import annotations
 
 import itertools
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .terms import _LOWERING, SpecError, Term, _zv, is_symbolic, ite, max_, min_
+from .terms import _LOWERING, SpecError, Term, _zv, and_, eq, is_symbolic, ite, max_, min_
 
 
 def _z3():
@@ -128,8 +129,15 @@ class IntervalSet:
         b = b if isinstance(b, IntervalSet) else IntervalSet.everything(top, b)
         if op == "or":
             return IntervalSet(a.intervals + b.intervals, top)
-        return IntervalSet([(max_(l1, l2), min_(h1, h2)) for (l1, h1), (l2, h2) in
-                            itertools.product(a.intervals, b.intervals)], top)
+        out = []
+        for i1, i2 in itertools.product(a.intervals, b.intervals):
+            p1, r1 = (i1[2], i1[3]) if len(i1) == 4 else (1, 0)
+            p2, r2 = (i2[2], i2[3]) if len(i2) == 4 else (1, 0)
+            both = _crt(p1, r1, p2, r2)
+            if both is None:
+                continue
+            out.append((max_(i1[0], i2[0]), min_(i1[1], i2[1])) + both)
+        return IntervalSet(out, top)
 
 
 def _if(c, a, b):
@@ -140,6 +148,30 @@ def _if(c, a, b):
     return ite(Term(_zv(c)), a, b)
 
 
+def _lattice(step: int, interval):
+    """An interval's points as ``(lo, hi, period, phase)``: multiples of ``step`` in ``[lo, hi]`` that are
+    ``phase`` modulo ``period``, or None when none can be (the two congruences disagree)."""
+    if len(interval) == 2:
+        return interval[0], interval[1], step, 0
+    lo, hi, period, phase = interval
+    combined = _crt(step, 0, period, phase)
+    if combined is None:
+        return None
+    return (lo, hi) + combined
+
+
+def _crt(m1: int, r1: int, m2: int, r2: int):
+    """``(m, r)`` with ``x = r (mod m)`` iff ``x = r1 (mod m1)`` and ``x = r2 (mod m2)``, or None."""
+    g = math.gcd(m1, m2)
+    if (r2 - r1) % g:
+        return None
+    m = m1 // g * m2
+    for r in range(r1 % m1, m, m1):
+        if r % m2 == r2 % m2:
+            return m, r
+    return None  # pragma: no cover - unreachable when the gcd test passed
+
+
 def symbolic_max_aligned(step: int, hi, pred):
     """``max_aligned`` in closed form over the intervals its predicate lowers to."""
     x = ScanVar(step, hi)
@@ -147,8 +179,12 @@ def symbolic_max_aligned(step: int, hi, pred):
     if not isinstance(sat, IntervalSet):
         sat = IntervalSet.everything(hi, sat)
     best = 0
-    for lo, top in sat.intervals:
-        t = min_(hi, top) // step * step
+    for interval in sat.intervals:
+        lattice = _lattice(step, interval)
+        if lattice is None:
+            continue
+        lo, top, period, phase = lattice
+        t = (min_(hi, top) - phase) // period * period + phase
         ok = Term(_z3().And(_zv(t >= lo), _zv(t >= step)))
         best = _if(ok, max_(best, t), best)
     return best
@@ -240,3 +276,176 @@ class SymbolicCache:
             for j in range(max(sv, 0), min(ev, upto // unit + 2)):
                 out.add((j + 1) * unit)
         return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The cache a write side leaves
+# ----------------------------------------------------------------------------------------------------
+
+
+def _distinct_positive(positions):
+    """The positions that can be positive, each once (concrete sentinels and repeated terms dropped)."""
+    out, seen = [], set()
+    for p in positions:
+        if isinstance(p, int):
+            if p <= 0:
+                continue
+            key = ("int", p)
+        else:
+            key = (p.scale, p.e.get_id())
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+class SymbolicWrittenCache:
+    """The cache :class:`kvhit.spec.cache.Held` descriptions say, with symbolic positions.
+
+    Full attention holds every block up to its extent and a few single boundaries; Mamba holds single
+    states (and every state, or every ``period`` tokens, up to its extent); a sliding window holds tails
+    of ``need`` blocks ending at a few symbolic positions and at periodic ones. A window query is decided
+    exactly from the tails: with every tail ``need`` blocks long and the window no longer, the window is
+    covered iff one tail covers it, or a tail ending inside it and a second one reaching past it overlap
+    (two tails always suffice). Over the scan variable every such condition is an interval, periodic for
+    periodic tails, so ``max_aligned`` keeps its closed form.
+    """
+
+    def __init__(self, groups):
+        self.groups = tuple(groups)
+
+    # -- the sets of window ends that are covered ----------------------------------------------------
+    def _intervals(self, k, unit, before, after):
+        """Window ends ``x`` (multiples of ``unit``) whose blocks ``[x/unit - before, x/unit + after)`` are
+        all held, as ``(lo, hi)`` or ``(lo, hi, period, phase)`` intervals of ``x``."""
+        g = self.groups[k]
+        from .domain import Kind
+
+        if before == 0 and after == 0:
+            return None  # an empty window: always held
+        if g.kind is Kind.MAMBA:
+            if before != 1 or after != 0 or unit != g.unit:
+                raise SpecError("a Mamba group is read one state at a time at its unit")
+            out = [(p, p) for p in _distinct_positive(g.points)]
+            if g.every:
+                out.append((unit, g.extent))
+            elif g.period > 0:
+                out.append((g.period, g.extent, g.period, 0))
+            return out
+        if g.kind is not Kind.SWA or g.every:
+            if unit == g.block:
+                return [(unit, g.extent - after * unit)]
+            if g.kind is Kind.FULL and before == 1 and after == 0:
+                return [(g.block, g.extent, g.block, 0)] + [(p, p) for p in _distinct_positive(g.points)]
+            raise SpecError(f"unsupported window of unit {unit} over group {k}")
+        if unit != g.block:
+            raise SpecError("a sliding-window group is read at its block")
+        return self._tail_intervals(g, before, after)
+
+    @staticmethod
+    def _tail_intervals(g, before, after):
+        b = g.block
+        tail = g.need * b
+        if before + after > g.need:
+            raise SpecError(f"a window of {before + after} blocks is longer than the kept tails ({g.need})")
+        bb, ab = before * b, after * b
+        first = g.shift * b + g.period  # the first periodic tail end
+        cap = g.extent - ab  # the window's last block is held only below the extent
+        out = []
+
+        def add(lo, hi, guard=True, period=None, phase=0):
+            hi = min_(hi, cap)
+            if guard is not True:
+                hi = ite(guard, hi, -1)
+            out.append((lo, hi) if period is None else (lo, hi, period, phase))
+
+        def next_periodic(t1):  # the smallest periodic end past t1
+            return g.shift * b + (t1 - g.shift * b) // g.period * g.period + g.period
+
+        def last_periodic(t2):  # the largest periodic end before t2
+            return g.shift * b + (t2 - b - g.shift * b) // g.period * g.period
+
+        ends = _distinct_positive(g.ends)
+        # Windows whose start is not clipped at block 0: x >= before blocks.
+        for t in ends:
+            add(max_(t - tail + bb, bb), t - ab)
+        if g.period > 0:
+            for delta in range(after, g.need - before + 1):
+                add(max(bb, first - delta * b), cap, True, g.period, (g.shift * b - delta * b) % g.period)
+        for t1 in ends:
+            for t2 in ends:
+                add(max_(t1 - ab + b, bb), min_(t1 + bb - b, t2 - ab), t2 - tail <= t1)
+            if g.period > 0:
+                q = next_periodic(t1)
+                add(max_(t1 - ab + b, bb), min_(t1 + bb - b, q - ab), and_(q - tail <= t1, q >= first))
+                p = last_periodic(t1)  # t1 as the far tail, a periodic one ending inside the window
+                add(max_(p - ab + b, bb), min_(p + bb - b, t1 - ab), and_(p >= t1 - tail, p >= first))
+        # Windows clipped at block 0: x < before blocks, the window is blocks [0, x/b + after).
+        if bb > 0:
+            top = bb - b
+            for t in ends:
+                add(b, min_(t - ab, top), t <= tail)
+            for t1 in ends:
+                for t2 in ends:
+                    add(max_(t1 - ab + b, b), min_(t2 - ab, top), and_(t1 > 0, t2 - tail <= t1))
+                if g.period > 0:
+                    q = next_periodic(t1)
+                    add(max_(t1 - ab + b, b), min_(q - ab, top), and_(and_(t1 > 0, q - tail <= t1), q >= first))
+        return out
+
+    # -- the two queries the read side makes ---------------------------------------------------------
+    def window(self, k, x, unit, before, after):
+        """Blocks ``[max(0, x // unit - before), x // unit + after)`` are held (see
+        :meth:`kvhit.spec.cache.CacheState.window`)."""
+        if is_symbolic(before) or is_symbolic(after):
+            raise SpecError("window lengths must be concrete")
+        intervals = self._intervals(k, unit, before, after)
+        if isinstance(x, ScanVar):
+            if x.step % unit or x.offset % unit:
+                raise SpecError(f"window of unit {unit} over a scan of step {x.step} offset {x.offset}")
+            if intervals is None:
+                return IntervalSet.everything(x.top)
+            shifted = []
+            for iv in intervals:  # conditions on x + offset, as conditions on x
+                lo, hi = iv[0] - x.offset, iv[1] - x.offset
+                shifted.append((lo, hi) if len(iv) == 2 else (lo, hi, iv[2], (iv[3] - x.offset) % iv[2]))
+            return IntervalSet(shifted, x.top)
+        if intervals is None:
+            return True
+        z3 = _z3()
+        x = x // unit * unit
+        inside = []
+        for iv in intervals:
+            conds = [_zv(x >= iv[0]), _zv(x <= iv[1]), _zv(x >= unit)]
+            if len(iv) == 4:
+                conds.append(_zv(eq((x - iv[3]) % iv[2], 0)))
+            inside.append(z3.And(conds))
+        return Term(z3.Or(inside)) if inside else False
+
+    def run_from(self, k, start, unit, limit):
+        """Consecutive held blocks from block ``start``, stopping at block ``limit``."""
+        g = self.groups[k]
+        from .domain import Kind
+
+        if unit != g.block or g.kind is Kind.MAMBA:
+            raise SpecError(f"run of unit {unit} over group {k}")
+        if g.kind is not Kind.SWA or g.every:
+            return max_(0, min_(g.extent // unit, limit) - start)
+        if not (isinstance(start, int) and start == 0):
+            raise SpecError("a sliding-window run is read from block 0 only")
+        b = g.block
+        tail = g.need * b
+        first = g.shift * b + g.period
+        reach = 0
+        ends = _distinct_positive(g.ends)
+        for t in ends:  # a tail that starts at block 0
+            reach = ite(and_(t > 0, t <= tail), max_(reach, t), reach)
+        for _ in range(2 * len(ends) + 2):  # each step adds one tail overlapping the run's end
+            nxt = reach
+            for t in ends:
+                nxt = ite(and_(t - tail <= reach, t > nxt), t, nxt)
+            if g.period > 0:
+                p = g.shift * b + (reach + tail - g.shift * b) // g.period * g.period
+                nxt = ite(and_(p >= first, p > nxt), p, nxt)
+            reach = nxt
+        return max_(0, min_(min_(reach, g.extent) // b, limit))

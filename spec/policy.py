@@ -36,6 +36,13 @@ class Rules:
         drop_once: an EAGLE group drops once per lookup (vLLM's ``eagle_verified`` set); without it, it
             drops again on every pass of the loop (vLLM #32802).
         scale_replicated: DCP scales every group's block, sharded or not.
+        replay: where the write side keeps state for a later request (:mod:`kvhit.spec.retention`):
+            ``"vllm"`` (vLLM 0.33's ``replay_boundaries``), ``"prompt_end"`` (``N - 1`` only, before the
+            EAGLE-aware boundaries), ``"resume"`` (the read side's own resume points).
+        checkpoint_drop: the scheduler's Mamba prompt checkpoint accounts for the EAGLE drop.
+        sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
+        junction: where a request records its shared-prefix junction: ``"uncached"`` (vLLM ``hit +
+            num_uncached``) or ``"next_block"`` (one scheduler block past the hit).
     """
 
     name: str
@@ -47,11 +54,15 @@ class Rules:
     pop_after_peek: bool = True
     drop_once: bool = True
     scale_replicated: bool = False
+    replay: str = "vllm"
+    checkpoint_drop: bool = True
+    sparse_zero: bool = True
+    junction: str = "uncached"
 
 
-REFERENCE = Rules("reference", declarative=True)
+REFERENCE = Rules("reference", declarative=True, replay="resume")
 VLLM_0_33 = Rules("vllm_0_33")
-HISTORICAL = Rules("historical", eagle_margin=False)
+HISTORICAL = Rules("historical", eagle_margin=False, replay="prompt_end", checkpoint_drop=False)
 
 # Known-bad variants: each breaks one rule, to show that the invariant guarding that rule can fail.
 HISTORICAL_REPEAT_DROP = Rules("historical_repeat_drop", eagle_margin=False, drop_once=False)
@@ -60,10 +71,14 @@ EAGLE_NEVER_RECOMPUTES = replace(REFERENCE, name="eagle_never_recomputes", eagle
 PEEK_WITHOUT_POP = replace(VLLM_0_33, name="peek_without_pop", pop_after_peek=False)
 PEEK_PAST_HASHES = replace(VLLM_0_33, name="peek_past_hashes", peek_within_hashes=False)
 DCP_SCALES_REPLICATED = replace(REFERENCE, name="dcp_scales_replicated", scale_replicated=True)
+RETAIN_PROMPT_END = replace(REFERENCE, name="retain_prompt_end", replay="prompt_end")
+RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name="retain_every_boundary", sparse_zero=False)
+JUNCTION_PAST_HIT = replace(HISTORICAL, name="junction_past_hit", junction="next_block")
 
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
-                                 PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED)}
+                                 PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END,
+                                 RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
 
 
@@ -119,12 +134,14 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     need = cdiv(sg.window - 1, b)
     top = max_length // b * b
     found_keep = max_aligned(a, top, lambda x: and_(x >= need * b, cache.window(k, x, b, need, 0)))
-    found_drop = max_aligned(a, top - b, lambda x: and_(x >= need * b, cache.window(k, x, b, need, 1)))
     run = cache.run_from(k, 0, b, max_length // b) * b
     short_keep = floor_to(run, a)
+    keep = ite(found_keep > 0, found_keep, short_keep)
+    if drop is False:  # a group that never drops is never read past its window
+        return keep, top
+    found_drop = max_aligned(a, top - b, lambda x: and_(x >= need * b, cache.window(k, x, b, need, 1)))
     gated = floor_to(ite(run >= b, floor_to(run - b, a) + b, 0), a)
     short_drop = ite(gated > 0, floor_to(gated - b, a), 0)
-    keep = ite(found_keep > 0, found_keep, short_keep)
     dropped = ite(found_drop > 0, found_drop, short_drop)
     return ite(drop, dropped, keep), top
 

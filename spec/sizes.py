@@ -46,6 +46,8 @@ class Sizes:
         groups: the spec groups, full attention first (vLLM's lookup order).
         unitary: one KV-cache group (vLLM ``UnitaryKVCacheCoordinator``).
         hash_lookahead: ``L``; prefill_lookahead: ``Lp``; drop: whether EAGLE groups drop.
+        config_block: the smallest per-rank block of the layout (vLLM ``cache_config.block_size``, which
+            the scheduler's Mamba chunk rules use).
     """
 
     scheduler_block: int
@@ -59,6 +61,7 @@ class Sizes:
     prefill_lookahead: int
     drop: bool
     dcp: int
+    config_block: int = 0
 
     @property
     def eagle_unit(self) -> int:
@@ -159,7 +162,8 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
         raise ValueError(f"scheduler block {scheduler_block} is shorter than the prefill lookahead "
                          f"{speculation.prefill_lookahead} (vLLM raises the same)")
     return Sizes(scheduler_block, h, partial, alignment, blocks, tuple(groups), unitary,
-                 speculation.hash_lookahead, speculation.prefill_lookahead, speculation.drop, layout.dcp)
+                 speculation.hash_lookahead, speculation.prefill_lookahead, speculation.drop, layout.dcp,
+                 min(g.block_size for g in layout.groups))
 
 
 def num_hashes(sizes: Sizes, n_tokens):

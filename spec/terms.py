@@ -282,6 +282,8 @@ def _symbolic_connective(op: str, a, b):
 def and_(a, b):
     if not is_symbolic(a, b):
         return a and b
+    if a is False or b is False:  # a concrete False decides it, as in Python
+        return False
     return _symbolic_connective("and", a, b)
 
 
@@ -289,6 +291,8 @@ def and_(a, b):
 def or_(a, b):
     if not is_symbolic(a, b):
         return a or b
+    if a is True or b is True:  # a concrete True decides it, as in Python
+        return True
     return _symbolic_connective("or", a, b)
 
 
@@ -317,6 +321,19 @@ def max_aligned(step: int, hi, pred: Callable[[Any], Any]):
 
         return symbolic_max_aligned(step, hi, pred)
     return runtime.max_aligned(step, hi, pred)
+
+
+@_operator("written_cache({0})", "the cache a write side leaves: one Held description per spec group")
+def written(groups):
+    """The cache state the :class:`kvhit.spec.cache.Held` descriptions say, for the read side to consume:
+    plain loops in Python, a decision procedure over tails and points in Z3."""
+    if _LOWERING.get("z3"):
+        from .lower_z3 import SymbolicWrittenCache
+
+        return SymbolicWrittenCache(tuple(groups))
+    from .cache import written_cache
+
+    return written_cache(groups)
 
 
 def passes(bound: int):

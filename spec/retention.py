@@ -1,0 +1,389 @@
+"""The write side: what a request leaves in the cache, and where a later request can resume.
+
+A request with prompt ``N`` is admitted with a hit of ``start`` tokens and a shared-prefix junction ``J``
+(vLLM ``shared_prefix_boundary``; -1 for none), prefilled in the chunks the scheduler cuts, samples one
+token and ends. The write side says, per spec group, which of the prompt's block boundaries stay
+findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then consumes
+(:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that shares
+the ``N`` tokens: a block hash past them covers tokens past the prompt.
+
+Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
+
+* ``replay``: where the masks keep state. vLLM 0.33 (``"vllm"``): ``replay_boundaries`` (``N - 1``, or
+  with an EAGLE drop one scheduler block below the last and the resend's aligned boundaries); historical
+  (``"prompt_end"``): ``N - 1`` always; reference (``"resume"``): the points the read side itself resumes
+  at, computed by the read side on the cache the request would leave if every state were retained. One
+  definition, two views: what is retained is what is resumed at.
+* ``checkpoint_drop``: the Mamba prompt checkpoint the scheduler stops at accounts for the EAGLE drop
+  (vLLM 0.33) or not (historical).
+* ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``).
+
+Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
+chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, and a later
+request keeps the whole tail at its junction (vLLM keeps only the blocks it computed).
+"""
+
+from .cache import Held
+from .domain import Kind
+from .policy import Rules, hit_tokens
+from .sizes import Sizes
+from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_, written
+
+NO_JUNCTION = -1
+
+
+def check_retention(sizes: Sizes, interval):
+    """vLLM ``_validate_prefix_cache_retention_interval``: ``None`` (dense), 0 (replay boundaries only)
+    or a positive multiple of the scheduler block; anything but 0 needs a sliding-window or Mamba group.
+
+    Raises:
+        ValueError: any other value, naming it and the scheduler block.
+    """
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0
+                                 or interval % sizes.scheduler_block != 0):
+        raise ValueError(f"retention interval {interval!r} must be None, 0 or a positive multiple of the "
+                         f"scheduler block {sizes.scheduler_block}")
+    if any(sg.kind is Kind.CHUNKED for sg in sizes.groups):
+        raise ValueError("the write side does not model chunked local attention (its blocks before the "
+                         "current chunk are never cached)")
+    sparse_kinds = [sg for sg in sizes.groups if sg.kind in (Kind.SWA, Kind.MAMBA)]
+    if interval != 0 and not sparse_kinds:
+        raise ValueError(f"retention interval {interval!r} needs a sliding-window or Mamba group; this "
+                         "layout has none, so use 0 (vLLM raises the same)")
+
+
+def checkpoint_position(n_tokens, unit: int, drop: bool, lookahead: int):
+    """vLLM ``get_mamba_prefill_checkpoint_position``: the prompt's reusable Mamba boundary, leaving the
+    last token (or the ``L`` lookahead tokens) to recompute; with the EAGLE drop, one unit lower."""
+    if drop:
+        return max_(floor_to(n_tokens, unit) - unit, 0)
+    return max_(floor_to(n_tokens - max(1, lookahead), unit), 0)
+
+
+def reprefillable(sizes: Sizes) -> int:
+    """Tokens multi-module MTP may prefill again (vLLM ``num_reprefillable_tokens``)."""
+    return max(0, sizes.prefill_lookahead - 1)
+
+
+def align_cacheable(sizes: Sizes, x):
+    """vLLM ``_align_cacheable``: hits are scheduler-block aligned unless partial hits are on."""
+    if sizes.partial_hits:
+        return x
+    return floor_to(x, sizes.scheduler_block)
+
+
+def cacheable_tokens(sizes: Sizes, k, computed):
+    """vLLM ``get_num_cacheable_tokens`` for spec group ``k`` after ``computed`` tokens.
+
+    One group: all but the reprefillable tail. Hybrid: the aligned prefix; a dropping group also one
+    block past the aligned boundary (the EAGLE peek), within the finalized tokens.
+    """
+    finalized = max_(0, computed - reprefillable(sizes))
+    if sizes.unitary:
+        return finalized
+    aligned = align_cacheable(sizes, computed)
+    if sizes.groups[k].drops:
+        return ite(aligned > 0, min_(finalized, align_cacheable(sizes, finalized) + sizes.groups[k].block),
+                   aligned)
+    return aligned
+
+
+def group_extent(sizes: Sizes, k, n_tokens):
+    """The prompt-only blocks spec group ``k`` caches: within its cacheable tokens and ``N - L``."""
+    reach = min_(cacheable_tokens(sizes, k, n_tokens), n_tokens - sizes.hash_lookahead)
+    return floor_to(max_(reach, 0), sizes.groups[k].block)
+
+
+def read_unit(sizes: Sizes, k) -> int:
+    """The unit spec group ``k``'s single boundaries are read at."""
+    sg = sizes.groups[k]
+    if sg.fine:
+        return sizes.alignment
+    return sg.block
+
+
+def partial_tails(sizes: Sizes, k, n_tokens):
+    """vLLM ``FullAttentionManager._cache_partial_tail_block``: the boundary inside a block that a
+    full-attention group whose block exceeds the hash unit registers at each caching call, from the
+    hashes the request has then: at schedule time (``N`` tokens) and, with a drafter, again after the
+    sampled token. A later call that caches the block whole drops the earlier entry. -1 for none."""
+    sg = sizes.groups[k]
+    h = sizes.hash_block
+    if sg.block == h:
+        return ()
+    limit = floor_to(n_tokens if sg.drops else n_tokens - 1, h)
+    cacheable = cacheable_tokens(sizes, k, n_tokens)
+    calls = (n_tokens, n_tokens + 1) if sizes.prefill_lookahead > 0 else (n_tokens,)
+    points = []
+    full_before = 0
+    for tokens in calls:
+        covered = max_(0, tokens - sizes.hash_lookahead) // h * h
+        full = floor_to(min_(cacheable, covered), sg.block)
+        # an entry on a block this call caches whole is replaced by the full entry
+        points = [ite(and_(full_before <= floor_to(p, sg.block), floor_to(p, sg.block) < full), NO_JUNCTION, p)
+                  for p in points]
+        x = min_(limit, covered)
+        ok = and_(and_(x > 0, x <= cacheable), not_multiple(x, sg.block))
+        # a block carries one partial entry: a new one replaces an older one on the same block
+        points = [ite(and_(ok, eq(floor_to(p, sg.block), floor_to(x, sg.block))), NO_JUNCTION, p) for p in points]
+        points.append(ite(and_(ok, x <= n_tokens - sizes.hash_lookahead), x, NO_JUNCTION))
+        full_before = full
+    return tuple(points)
+
+
+def not_multiple(x, unit: int):
+    return x - floor_to(x, unit) > 0
+
+
+def dense_groups(sizes: Sizes, n_tokens):
+    """What the request would leave if every state were retained: each group holds every boundary up to
+    its extent (full attention also its partial tail)."""
+    out = []
+    for k, sg in enumerate(sizes.groups):
+        points = ()
+        if sg.kind is Kind.FULL:
+            points = partial_tails(sizes, k, n_tokens)
+        out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True, points))
+    return tuple(out)
+
+
+def far_sibling(sizes: Sizes, n_tokens):
+    """A longer prompt sharing the ``N`` tokens whose own cap and hashes do not bind."""
+    return n_tokens + 2 * sizes.scheduler_block + sizes.hash_lookahead + 1
+
+
+def resume_points(sizes: Sizes, n_tokens, rules: Rules):
+    """Where the read side resumes, with every state retained: a resend, a sibling one token longer, and a
+    far sibling (kvhit's reference replay boundaries)."""
+    dense = written(dense_groups(sizes, n_tokens))
+    resend = hit_tokens(dense, sizes, n_tokens, rules)[0]
+    near = hit_tokens(dense, sizes, n_tokens + 1, rules)[0]
+    far = hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0]
+    return (resend, near, far)
+
+
+def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules):
+    """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
+
+    vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
+    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
+    """
+    if rules.replay == "resume":
+        return resume_points(sizes, n_tokens, rules)
+    if rules.replay == "prompt_end" or not sizes.drop:
+        return (n_tokens - 1,)
+    s = sizes.scheduler_block
+    return (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
+
+
+def junction_boundaries(sizes: Sizes, k, junction):
+    """The junction, and for a dropping group one block below it (a sibling that diverges right after
+    the junction cannot peek past it). -1 stands for none."""
+    sg = sizes.groups[k]
+    here = ite(junction > 0, junction, NO_JUNCTION)
+    if not sg.drops:
+        return (here,)
+    return (here, ite(junction > 0, junction - sg.block, NO_JUNCTION))
+
+
+def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: Rules):
+    """vLLM ``SlidingWindowManager.reachable_block_mask``: the ``need``-block tails a hit needs, ending
+    ``shift`` blocks past each aligned boundary; every ``interval`` tokens (every ``A`` when dense); every
+    block when a tail would cover a whole segment or the alignment is finer than the block."""
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    extent = group_extent(sizes, k, n_tokens)
+    shift = 1 if sg.drops else 0
+    need = cdiv(sg.window - 1, b) + shift
+    if a % b != 0:
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+    dense = interval is None or (interval == 0 and not rules.sparse_zero)
+    segment = a if dense else interval
+    if segment > 0 and need >= segment // b:
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+    ends = ()
+    if not dense:
+        ends = tuple(floor_to(x, a) + shift * b for x in boundaries)
+    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment)
+
+
+def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
+    """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
+    ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
+    checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
+    block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
+    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
+    big = sizes.config_block
+    drop = sizes.drop and rules.checkpoint_drop
+    lookahead = sizes.hash_lookahead
+    first = checkpoint_position(n_tokens, big, drop, lookahead)
+    stops = [first]
+    if sizes.partial_hits:
+        tail = checkpoint_position(n_tokens, sizes.hash_block, drop, lookahead)
+        stops.append(ite(and_(first < tail, tail < n_tokens), tail, NO_JUNCTION))
+    stops.append(ite(and_(start < junction, junction < n_tokens), start + floor_to(junction - start, big),
+                     NO_JUNCTION))
+    # A chunk that starts inside a config block stops at the block's end; one that starts inside a Mamba
+    # block carries the state on to that block's end, where its slot then holds it.
+    unaligned = [start] + stops
+    stops += [ceil_to(e, big) for e in unaligned[:1] + unaligned[2:]]
+    stops += [ceil_to(e, block) for e in unaligned]
+    ends = tuple(ite(and_(start < e, e < n_tokens), e, NO_JUNCTION) for e in stops)
+    return ends + (n_tokens,)
+
+
+def ceil_to(x, unit: int):
+    """``x`` rounded up to a multiple of ``unit``."""
+    return cdiv(x, unit) * unit
+
+
+def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules):
+    """The Mamba states a request leaves.
+
+    vLLM: a state exists at each chunk end; a block-aligned one is cached when the mask keeps it (every
+    one when dense; one per ``interval`` tokens; the block ending at each aligned boundary), and the
+    prompt checkpoint is registered as a tail whatever the mask says (``_cache_partial_tail_block``).
+    Reference: the scheduler stops at every boundary, so a state exists exactly where it is retained.
+    """
+    sg = sizes.groups[k]
+    b = sg.block
+    a = sizes.alignment
+    unit = read_unit(sizes, k)
+    extent = group_extent(sizes, k, n_tokens)
+    every_block = interval is not None and interval > 0 and interval // b <= 1
+    period = interval if (interval is not None and interval > 0 and not every_block) else 0
+    dense = interval is None or every_block or (interval == 0 and not rules.sparse_zero)
+    aligned = tuple(floor_to(x, a) for x in boundaries)
+    if rules.replay == "resume":  # one state per interval, each at a boundary the read side can use
+        points = tuple(ite(and_(x > 0, x <= extent), x, NO_JUNCTION) for x in aligned)
+        every = interval is None or (interval == 0 and not rules.sparse_zero)
+        period = interval if (interval is not None and interval > 0) else 0
+        return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
+    ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules)
+    points = []
+    for e in ends:
+        kept = dense
+        if period > 0:
+            kept = or_(kept, eq_zero_mod(e, period))
+        for x in aligned:
+            kept = or_(kept, eq(e, floor_to(x, b)))  # the block ending at or before the boundary
+        ok = and_(and_(and_(e > 0, e <= extent), eq_zero_mod(e, b)), kept)
+        points.append(ite(ok, e, NO_JUNCTION))
+    drop = sizes.drop and rules.checkpoint_drop
+    tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
+    is_end = False
+    for e in ends:
+        is_end = or_(is_end, eq(e, tail))
+    called = or_(eq(cacheable_tokens(sizes, k, tail), tail), eq(cacheable_tokens(sizes, k, n_tokens), tail))
+    ok = and_(and_(and_(tail > 0, tail <= n_tokens - sizes.hash_lookahead), is_end), called)
+    points.append(ite(ok, tail, NO_JUNCTION))
+    return Held(Kind.MAMBA, b, unit, extent, False, tuple(points))
+
+
+def eq_zero_mod(x, unit: int):
+    return eq(x - floor_to(x, unit), 0)
+
+
+def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junction=NO_JUNCTION,
+                   again=False):
+    """What a request with prompt ``N``, admitted with a hit of ``start`` tokens and junction ``J``,
+    leaves in the cache: one :class:`Held` per spec group. ``again``: an earlier request with the same
+    prompt already left the replay boundaries' sliding-window tails, so only the junction's are new."""
+    check_retention(sizes, interval)
+    boundaries = replay_boundaries(sizes, n_tokens, rules)
+    out = []
+    for k, sg in enumerate(sizes.groups):
+        at = boundaries + junction_boundaries(sizes, k, junction)
+        if sg.kind is Kind.SWA:
+            if again:
+                at = junction_boundaries(sizes, k, junction)
+            out.append(sliding_window_held(sizes, k, n_tokens, interval, at, rules))
+        elif sg.kind is Kind.MAMBA:
+            out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules))
+        else:
+            points = ()
+            if sg.kind is Kind.FULL:
+                points = partial_tails(sizes, k, n_tokens)
+            out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True,
+                            points))
+    return tuple(out)
+
+
+def merge(old, new):
+    """The cache after a later request with the same prompt wrote ``new`` on top of ``old``."""
+    out = []
+    for g, h in zip(old, new):
+        out.append(Held(g.kind, g.block, g.unit, g.extent, g.every, g.points + h.points, g.ends + h.ends,
+                        g.need, g.shift, g.period))
+    return tuple(out)
+
+
+def junction_of(sizes: Sizes, hit, longest, rules: Rules):
+    """Where a request records its junction: vLLM ``hit + num_uncached`` when something was uncached
+    (``longest`` is the longest candidate the lookup saw), else none."""
+    if rules.junction == "next_block":
+        return hit + sizes.scheduler_block
+    return ite(longest > hit, longest, NO_JUNCTION)
+
+
+def repeat(sizes: Sizes, n_tokens, interval, rules: Rules, groups):
+    """One more request with the same prompt on the cache ``groups``: ``(hit, junction, groups after)``."""
+    hit, _, longest, _ = hit_tokens(written(groups), sizes, n_tokens, rules)
+    junction = junction_of(sizes, hit, longest, rules)
+    after = merge(groups, request_writes(sizes, n_tokens, interval, rules, hit, junction, True))
+    return hit, junction, after
+
+
+def repeat_hits(sizes: Sizes, n_tokens, interval, rules: Rules, repeats: int):
+    """The hits of ``repeats`` resends of a prompt after its first request on an empty cache."""
+    groups = request_writes(sizes, n_tokens, interval, rules)
+    hits = []
+    for _ in range(repeats):
+        hit, _, groups = repeat(sizes, n_tokens, interval, rules, groups)
+        hits.append(hit)
+    return tuple(hits)
+
+
+def retained_states(g: Held):
+    """What a group retains: Mamba states (one per distinct position; every state at its unit when it
+    keeps every one), or sliding-window blocks counted as ``need`` per distinct tail (every block when
+    it keeps every one)."""
+    if g.every:
+        return g.extent // (g.block if g.kind is Kind.SWA else g.unit)
+    total = 0
+    if g.period > 0:
+        if g.kind is Kind.SWA:
+            total = max_(0, (g.extent + (g.need - g.shift) * g.block - 1) // g.period)
+        else:
+            total = g.extent // g.period
+    seen = []
+    positions = g.ends if g.kind is Kind.SWA else g.points
+    for p in positions:
+        fresh = p > 0
+        if g.kind is Kind.SWA:
+            fresh = and_(fresh, p - g.need * g.block < g.extent)
+        if g.period > 0:
+            periodic = and_(eq_zero_mod(p - g.shift * g.block, g.period), p >= g.shift * g.block + g.period)
+            if g.kind is Kind.MAMBA:
+                periodic = and_(eq_zero_mod(p, g.period), p <= g.extent)
+            fresh = and_(fresh, not_(periodic))
+        for q in seen:
+            fresh = and_(fresh, not_(eq(p, q)))
+        total = total + ite(fresh, 1, 0)
+        seen.append(p)
+    if g.kind is Kind.SWA:
+        return total * g.need
+    return total
+
+
+def retention_bound(sizes: Sizes, g: Held, n_tokens, interval, boundaries: int):
+    """The most :func:`retained_states` may be for a first request: ``ceil(N / R)`` segments (none when
+    ``R = 0``) plus the replay boundaries, in states, or in tails of ``need`` blocks for a sliding
+    window."""
+    count = boundaries
+    if interval > 0:
+        count = cdiv(n_tokens, interval) + boundaries
+    if g.kind is Kind.SWA:
+        return count * max(g.need, 1)
+    return count
