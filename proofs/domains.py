@@ -40,12 +40,13 @@ def _beyond_catalogue():
     return out
 
 
-def layouts():
+def layouts(extended: bool = True):
+    """The catalogue, the band beyond it, and DCP sizes: 2, 4 and 8 by default, 2 to 8 when extended."""
     base = list(CATALOGUE.values()) + _beyond_catalogue()
     out = []
     for layout in base:
         out.append(layout)
-    for dcp in range(2, 9):
+    for dcp in (range(2, 9) if extended else (2, 4, 8)):
         out.append(replace(CATALOGUE["full16"], dcp=dcp))
         out.append(replace(CATALOGUE["llama_eagle"], dcp=dcp))
     for dcp in (2, 4, 8):
@@ -56,17 +57,77 @@ def layouts():
 # Layouts of three or more spec groups make each check one to two orders of magnitude harder (the
 # candidate scan's intervals multiply across groups, and vLLM's loop unrolls more passes). They are
 # checked by `kvhit prove --extended`; the default run keeps the report's DeepSeek-V4 scenario.
-HEAVY = ("three_kind", "dsv4_cuda", "dsv4_report", "full64_mamba64_mamba128")
+HEAVY = ("three_kind", "dsv4_cuda", "dsv4_report", "full64_mamba64_mamba128",
+         # no full-attention group to cap the Mamba and sliding-window scans: ten times the cost of the
+         # other two-group layouts
+         "swa32_mamba64",
+         # a second plain full-attention block size adds nothing full32 does not cover, and keeps the
+         # default run under two minutes on two cores
+         "full48")
+
+
+# The write side also sees the prefill lookahead Lp (the reprefillable tail of multi-module MTP), so drop
+# mode is enumerated with Lp = 1 and Lp = 2 (the Qwen3-Next report: MTP with two speculative tokens).
+WRITE_SPECULATIONS = SPECULATIONS + (Speculation(Mode.DROP, 2, multi_module_mtp=True),)
+
+
+def retention_intervals(sizes):
+    """Dense, the replay boundaries only (vLLM's default), and one interval of two scheduler blocks."""
+    return (None, 0, 2 * sizes.scheduler_block)
+
+
+# The write side's default run: the Qwen3-Next report's layout with every retention interval, a sliding
+# window (Gemma) and an EAGLE sliding window at vLLM's default retention 0. Writing and then reading three
+# times makes a check several times costlier than a read-side one; `--extended` covers every layout with
+# a sliding-window or Mamba group with every interval.
+CORE_WRITE = {"qwen3next": (None, 0, 2), "gemma": (0,), "full64_swa64w200_eagle": (0,)}
+
+
+def write_configs(extended: bool = False):
+    """Configurations of the write side: the layouts with a sliding-window or Mamba group, each
+    speculative setting and retention interval the spec accepts (the core set unless ``extended``)."""
+    from kvhit.spec.retention import check_retention
+    from kvhit.spec.sizes import derive_sizes
+
+    out = []
+    for layout in layouts(extended):
+        if layout.name in HEAVY and not extended:
+            continue
+        if not any(g.kind in (Kind.SWA, Kind.MAMBA) for g in layout.groups):
+            continue
+        if not extended and (layout.name not in CORE_WRITE or layout.dcp > 1):
+            continue
+        for speculation in WRITE_SPECULATIONS:
+            try:
+                sizes = derive_sizes(layout, speculation)
+            except ValueError:
+                continue
+            intervals = retention_intervals(sizes)
+            if not extended:
+                intervals = [None if r is None else r * sizes.scheduler_block for r in CORE_WRITE[layout.name]]
+            for interval in intervals:
+                try:
+                    check_retention(sizes, interval)
+                except ValueError:
+                    continue
+                out.append(Config(layout, speculation, interval))
+    return out
 
 
 def configs(extended: bool = False):
-    """Every (layout, speculation) pair the spec accepts (rejected pairs are skipped: the spec raises)."""
+    """Every (layout, speculation) pair the spec accepts (rejected pairs are skipped: the spec raises),
+    then the write side's configurations."""
+    return read_configs(extended) + write_configs(extended)
+
+
+def read_configs(extended: bool = False):
+    """Every (layout, speculation) pair the spec accepts for the read side."""
     out = []
-    for layout in layouts():
+    for layout in layouts(extended):
         if layout.name in HEAVY and not extended:
             continue
-        small = len(layout.groups) <= 2
-        for speculation in WIDE_SPECULATIONS if small else SPECULATIONS:
+        wide = len(layout.groups) <= 2 and (layout.dcp == 1 or extended)
+        for speculation in WIDE_SPECULATIONS if wide else SPECULATIONS:
             try:
                 from kvhit.spec.sizes import derive_sizes
 
@@ -80,4 +141,7 @@ def configs(extended: bool = False):
 SCENARIOS = (
     Scenario("dsv4_report_46240", "eagle_loses_at_most_one_block_beyond_alignment",
              Config(CATALOGUE["dsv4_report"], Speculation(Mode.DROP, 1)), 46240),
+    # Qwen3.8-27B-FP8 (1600-token blocks, MTP with two speculative tokens), vLLM's default retention 0.
+    Scenario("qwen3next_11910", "scheduler_and_mask_boundaries_agree",
+             Config(CATALOGUE["qwen3next"], Speculation(Mode.DROP, 2, multi_module_mtp=True), 0), 11910),
 )

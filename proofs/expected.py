@@ -22,7 +22,24 @@ F2 = "Unitary drop loses one block more than the drop unit"
 #     drop, so one drop unit becomes a whole alignment unit (DeepSeek-V4: 32768 -> 16384).
 F3 = "drop at the aligned candidate, then re-align (the DeepSeek-V4 report)"
 
+# W: vLLM 0.33's write side keeps state where a later request does not resume (all three confirmed on
+#    vLLM 0.33.0's KVCacheManager and the scheduler's chunk rules; tests/regressions/test_reported_cases.py):
+#    W1 with multi-module MTP in drop mode the reprefillable token keeps the EAGLE group's cached prefix one
+#       block short on a block-aligned prompt, so a resend resumes a scheduler block below the Mamba
+#       checkpoint and the masks' boundaries: qwen3next, MTP 2, N = 8000: first repeat 0, then 4800;
+#    W2 without a drafter only N - 1 is a replay boundary, so a longer sibling of a block-aligned prompt loses
+#       a block under sparse retention: gemma, R = 0, N = 704, a sibling of 800 tokens hits 640, not 704;
+#    W3 with lookahead hashes (L >= 2) a resend resumes at floor_A(N - L), below the boundary N - 1 the masks
+#       keep: gemma, MTP 2 lookahead, R = 0, N = 577: first repeat 0, then 512.
+W = "replay boundaries miss where the read side resumes (W1 MTP drop, W2 longer sibling, W3 lookahead)"
+# F4: the historical write side keeps the state at floor_A(N - 1) while the EAGLE-adjusted read resumes a
+#     block lower (the Qwen3-Next report: mask 11200, resume point 9600, first repeat 0, second 9600).
+F4 = "mask keeps N - 1, EAGLE read resumes a block lower (the Qwen3-Next report)"
+
 EXPECTED = {
+    ("scheduler_and_mask_boundaries_agree", "vllm_0_33"): ("REFUTED", W),
+    ("scheduler_and_mask_boundaries_agree", "historical"): ("REFUTED", F4 + "; " + W),
+    ("scheduler_and_mask_boundaries_agree@qwen3next_11910", "historical"): ("REFUTED", F4),
     ("hit_is_aligned_and_capped", "vllm_0_33"): ("REFUTED", F1),
     ("lookup_stays_within_hashes", "vllm_0_33"): ("REFUTED", F1),
     ("hit_is_valid_in_every_group", "vllm_0_33"): ("REFUTED", F1),

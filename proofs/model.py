@@ -22,9 +22,10 @@ from kvhit import refimpl
 from types import SimpleNamespace
 
 from kvhit.spec import policy as spec_policy
+from kvhit.spec import retention as spec_retention
 from kvhit.spec import sizes as spec_sizes
 from kvhit.spec.domain import NO_SPECULATION, Kind, Layout, Speculation
-from kvhit.spec.lower_z3 import SymbolicCache, fresh_int, lowering
+from kvhit.spec.lower_z3 import SymbolicCache, SymbolicWrittenCache, fresh_int, lowering
 from kvhit.spec.policy import Rules, pass_bound
 from kvhit.spec.sizes import Sizes, derive_sizes
 from kvhit.spec.terms import Term, _zv
@@ -32,20 +33,30 @@ from kvhit.spec.terms import Term, _zv
 SOLVER_TIMEOUT_MS = 60_000
 
 # The spec's functions under the names the generated refimpl gives them (one flat module there).
-SPEC = SimpleNamespace(**{**vars(spec_sizes), **vars(spec_policy)})
+SPEC = SimpleNamespace(**{**vars(spec_sizes), **vars(spec_policy), **vars(spec_retention)})
+
+# A configuration of the read side only (no retention interval: the cache state is arbitrary).
+READ_SIDE = "read side"
 
 
 @dataclass(frozen=True)
 class Config:
-    """One enumerated configuration: a layout and a speculative setting."""
+    """One enumerated configuration: a layout, a speculative setting and, for the write side, a retention
+    interval (``None`` dense, 0, or a multiple of the scheduler block)."""
 
     layout: Layout
     speculation: Speculation
+    retention: object = READ_SIDE
+
+    @property
+    def write_side(self) -> bool:
+        return self.retention != READ_SIDE
 
     @property
     def label(self) -> str:
         dcp = f" dcp{self.layout.dcp}" if self.layout.dcp > 1 else ""
-        return f"{self.layout.name}{dcp} {self.speculation.describe()}"
+        ret = f" R={self.retention}" if self.write_side else ""
+        return f"{self.layout.name}{dcp} {self.speculation.describe()}{ret}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,8 @@ class Invariant:
         concern: the proofs module it lives in.
         applies: which configurations it speaks about.
         refuted_by: known-bad variants that must refute it (non-vacuity).
+        write_side: it speaks about the cache a request leaves (configurations with a retention interval).
+        heavy: configurations checked only by ``kvhit prove --extended`` (too slow for the default run).
     """
 
     name: str
@@ -67,6 +80,8 @@ class Invariant:
     refuted_by: tuple = ()
     hits: int = 1
     witnesses: int = 1
+    write_side: bool = False
+    heavy: Callable[[Config], bool] = lambda config: False
 
     @property
     def formula(self) -> str:
@@ -125,6 +140,13 @@ class _Context:
                 blocks = extent // unit
                 out = spec_policy.and_(out, self.cache.run_from(k, 0, unit, blocks) >= blocks)
         return out
+
+
+    def written(self, groups):
+        """The cache a write side's :class:`kvhit.spec.cache.Held` descriptions say."""
+        if self.P is refimpl:
+            return refimpl.written_cache(groups)
+        return SymbolicWrittenCache(groups)
 
 
 class SymbolicContext(_Context):
@@ -266,7 +288,8 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
         formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
         if scenario is not None:
             formulas.append(ctx.n.z == scenario.n_tokens)
-            formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
+            if not config.write_side:  # a write-side check builds its own caches
+                formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
         result, model, reason = solve(formulas)
     seconds = time.perf_counter() - start
     if result == z3.unsat:
@@ -281,14 +304,21 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     cex = {
         "layout": config.layout.name, "dcp": config.layout.dcp,
         "speculation": config.speculation.describe(), "policy": rules.name, "N": values["N"],
+        "retention": config.retention if config.write_side else None,
         "cache": described, "z3": symbolic_shown, "replayed": dict(replay.shown),
         "witnesses": {k: v for k, v in values.items() if k != "N"},
     }
-    ref = ReplayContext(config, spec_policy.REFERENCE, values, cache)
-    cex["reference_hit"] = ref.hit()[0]
-    cex["reference_hit_without_speculation"] = ref.hit(NO_SPECULATION)[0]
-    cex["hits"] = {name: ReplayContext(config, other, values, cache).hit()[0]
-                   for name, other in spec_policy.POLICIES.items()}
+    if config.write_side:
+        # The cache is what the first request left; each policy's hits on its first three repeats.
+        cex["repeat_hits"] = {name: list(refimpl.repeat_hits(ReplayContext(config, other, values, cache).sizes(),
+                                                              values["N"], config.retention, other, 3))
+                              for name, other in spec_policy.POLICIES.items()}
+    else:
+        ref = ReplayContext(config, spec_policy.REFERENCE, values, cache)
+        cex["reference_hit"] = ref.hit()[0]
+        cex["reference_hit_without_speculation"] = ref.hit(NO_SPECULATION)[0]
+        cex["hits"] = {name: ReplayContext(config, other, values, cache).hit()[0]
+                       for name, other in spec_policy.POLICIES.items()}
     if not (r_assumption and not r_claim) or symbolic_shown != replay.shown:
         return "REPLAY-MISMATCH", seconds, cex
     return "REFUTED", seconds, cex

@@ -19,8 +19,10 @@ def _config(record):
         scenario = record["invariant_row"].split("@")[1]
         return next(s.config for s in SCENARIOS if s.name == scenario)
     for config in configs(extended=True):
-        if (config.layout.name, config.layout.dcp, config.speculation.describe()) == (
-                record["layout"], record["dcp"], record["speculation"]):
+        retention = config.retention if config.write_side else None
+        if (config.layout.name, config.layout.dcp, config.speculation.describe(), config.write_side,
+                retention) == (record["layout"], record["dcp"], record["speculation"],
+                               "repeat_hits" in record, record.get("retention")):
             return config
     raise LookupError(f"no configuration {record['layout']} dcp{record['dcp']} {record['speculation']}")
 

@@ -62,3 +62,58 @@ def test_vllm_0_33_reproduces_cached_tokens_of_vllm_serve_with_eagle(n, lookahea
     layout = Layout((Group("full", 32, eagle=True),))
     assert hit(layout, LOOKAHEAD, n, [n], "vllm_0_33") == lookahead
     assert hit(layout, DROP, n, [n], "vllm_0_33") == drop
+
+
+# ----------------------------------------------------------------------------------------------------
+# The write side: what a served prompt leaves behind, and what its repeats hit
+# ----------------------------------------------------------------------------------------------------
+
+MTP2_DROP = Speculation("drop", 2, True)
+MTP2_LOOKAHEAD = Speculation("lookahead", 2, True)
+
+
+def _repeats(name, speculation, n, interval, policy, times=3):
+    from kvhit.refimpl import ALL_POLICIES, derive_sizes, repeat_hits
+
+    layout = _convert(CATALOGUE[name])
+    return repeat_hits(derive_sizes(layout, speculation), n, interval, ALL_POLICIES[policy], times)
+
+
+def test_historical_mask_misses_the_first_repeat_of_the_qwen3_next_report():
+    """Qwen3.8-27B-FP8-like (1600-token blocks, MTP with two speculative tokens, retention 0): the mask
+    kept the state at 11200, the EAGLE-adjusted resume point was 9600, the first repeat missed."""
+    from kvhit.refimpl import HISTORICAL, derive_sizes, request_writes
+
+    sizes = derive_sizes(_convert(CATALOGUE["qwen3next"]), MTP2_DROP)
+    mamba = request_writes(sizes, 11910, 0, HISTORICAL)[1]
+    assert sorted({p for p in mamba.points if p > 0}) == [11200]
+    assert _repeats("qwen3next", MTP2_DROP, 11910, 0, "historical") == (0, 9600, 9600)
+
+
+@pytest.mark.parametrize("policy", ["reference", "vllm_0_33"])
+def test_first_repeat_of_the_qwen3_next_report_hits_under_vllm_0_33_and_reference(policy):
+    assert _repeats("qwen3next", MTP2_DROP, 11910, 0, policy) == (9600, 9600, 9600)
+
+
+@pytest.mark.parametrize("name, speculation, n, interval, measured", [
+    # measured on vLLM 0.33.0's KVCacheManager and scheduler chunk rules (tests/conformance harness):
+    # serve the prompt once, then resend it three times
+    ("qwen3next", MTP2_DROP, 11910, 0, (9600, 9600, 9600)),
+    ("qwen3next", MTP2_DROP, 8000, None, (0, 4800, 4800)),     # W1: a block-aligned prompt misses once
+    ("qwen3next", MTP2_DROP, 8000, 0, (0, 4800, 4800)),
+    ("gemma", MTP2_LOOKAHEAD, 577, 0, (0, 512, 512)),         # W3: replay boundary ignores the lookahead
+])
+def test_vllm_0_33_reproduces_repeat_hits_measured_on_vllm(name, speculation, n, interval, measured):
+    assert _repeats(name, speculation, n, interval, "vllm_0_33") == measured
+
+
+def test_vllm_0_33_loses_a_block_for_a_longer_sibling_of_a_block_aligned_prompt():
+    """W2, measured on vLLM 0.33.0: gemma, no drafter, retention 0, prompt 704 served, then a prompt of
+    800 tokens extending it hits 640 (704 with dense retention)."""
+    from kvhit.refimpl import ALL_POLICIES, derive_sizes, hit_tokens, request_writes, written_cache
+
+    sizes = derive_sizes(_convert(CATALOGUE["gemma"]), NONE)
+    for interval, policy, want in ((0, "vllm_0_33", 640), (None, "vllm_0_33", 704), (0, "reference", 704)):
+        rules = ALL_POLICIES[policy]
+        cache = written_cache(request_writes(sizes, 704, interval, rules))
+        assert hit_tokens(cache, sizes, 800, rules)[0] == want, (interval, policy)
