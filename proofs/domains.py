@@ -141,6 +141,11 @@ def read_configs(extended: bool = False):
 SCENARIOS = (
     Scenario("dsv4_report_46240", "eagle_loses_at_most_one_block_beyond_alignment",
              Config(CATALOGUE["dsv4_report"], Speculation(Mode.DROP, 1)), 46240),
+    # The same DeepSeek-V4 request on the write side at vLLM's default retention 0: vLLM 0.33's replay
+    # boundaries sit one 16384-token scheduler block low, so the first repeat still hits 16384 (W4).
+    Scenario("dsv4_report_46240_retention0", "scheduler_and_mask_boundaries_agree",
+             Config(CATALOGUE["dsv4_report"], Speculation(Mode.DROP, 1), 0), 46240,
+             pinned=(("N2", 46240 + 16384),), concrete=True),  # a sibling one scheduler block longer
     # Qwen3.8-27B-FP8 (1600-token blocks, MTP with two speculative tokens), vLLM's default retention 0.
     Scenario("qwen3next_11910", "scheduler_and_mask_boundaries_agree",
              Config(CATALOGUE["qwen3next"], Speculation(Mode.DROP, 2, multi_module_mtp=True), 0), 11910),

@@ -31,7 +31,12 @@ F3 = "drop at the aligned candidate, then re-align (the DeepSeek-V4 report)"
 #       a block under sparse retention: gemma, R = 0, N = 704, a sibling of 800 tokens hits 640, not 704;
 #    W3 with lookahead hashes (L >= 2) a resend resumes at floor_A(N - L), below the boundary N - 1 the masks
 #       keep: gemma, MTP 2 lookahead, R = 0, N = 577: first repeat 0, then 512.
+#    W4 with an EAGLE drop the boundaries sit one scheduler block below the aligned prompt end, which on a
+#       layout whose scheduler block is the alignment (DeepSeek-V4, 16384) is a whole alignment unit below
+#       where the read side resumes: the DeepSeek-V4 report, drop, R = 0 (vLLM's default), N = 46240: the
+#       first repeat still hits 16384, then 32768 (32768 with dense retention and under the reference).
 W = "replay boundaries miss where the read side resumes (W1 MTP drop, W2 longer sibling, W3 lookahead)"
+W4 = "EAGLE replay boundary one 16384-token scheduler block low: the DeepSeek-V4 report's first repeat"
 # F4: the historical write side keeps the state at floor_A(N - 1) while the EAGLE-adjusted read resumes a
 #     block lower (the Qwen3-Next report: mask 11200, resume point 9600, first repeat 0, second 9600).
 F4 = "mask keeps N - 1, EAGLE read resumes a block lower (the Qwen3-Next report)"
@@ -40,6 +45,8 @@ EXPECTED = {
     ("scheduler_and_mask_boundaries_agree", "vllm_0_33"): ("REFUTED", W),
     ("scheduler_and_mask_boundaries_agree", "historical"): ("REFUTED", F4 + "; " + W),
     ("scheduler_and_mask_boundaries_agree@qwen3next_11910", "historical"): ("REFUTED", F4),
+    ("scheduler_and_mask_boundaries_agree@dsv4_report_46240_retention0", "vllm_0_33"): ("REFUTED", W4),
+    ("scheduler_and_mask_boundaries_agree@dsv4_report_46240_retention0", "historical"): ("REFUTED", F4),
     ("hit_is_aligned_and_capped", "vllm_0_33"): ("REFUTED", F1),
     ("lookup_stays_within_hashes", "vllm_0_33"): ("REFUTED", F1),
     ("hit_is_valid_in_every_group", "vllm_0_33"): ("REFUTED", F1),

@@ -90,13 +90,16 @@ class Invariant:
 
 @dataclass(frozen=True)
 class Scenario:
-    """An invariant pinned to one reported case: a configuration and a prompt length, with every group's
-    cache holding the whole prompt (what one served request leaves with dense retention)."""
+    """An invariant pinned to one reported case: a configuration and a prompt length. A read-side scenario's
+    cache holds the whole prompt (what one served request leaves with dense retention); a write-side one
+    builds its own. ``pinned`` fixes other symbols of the claim (e.g. a sibling's length ``N2``)."""
 
     name: str
     invariant: str
     config: Config
     n_tokens: int
+    pinned: tuple = ()
+    concrete: bool = False  # every input pinned: decided by running the spec on them, no solver
 
 
 class _Context:
@@ -146,7 +149,9 @@ class _Context:
         """The cache a write side's :class:`kvhit.spec.cache.Held` descriptions say."""
         if self.P is refimpl:
             return refimpl.written_cache(groups)
-        return SymbolicWrittenCache(groups)
+        from kvhit.spec.terms import written
+
+        return written(groups)  # symbolic under the Z3 lowering, plain loops otherwise
 
 
 class SymbolicContext(_Context):
@@ -277,8 +282,40 @@ def model_runs(cache: SymbolicCache, model) -> dict:
             for key, lst in cache.lists.items()}
 
 
+def check_concrete(invariant: Invariant, rules: Rules, scenario: Scenario):
+    """A scenario whose every input is pinned: run the claim through the spec interpreter and through the
+    generated refimpl; they must agree, and the verdict is what they say."""
+    start = time.perf_counter()
+    config = scenario.config
+    values = {"N": scenario.n_tokens, **dict(scenario.pinned)}
+    interpreted = ReplayContext(config, rules, values, None)
+    interpreted.P = SPEC
+    s_assumption, s_claim = invariant.claim(interpreted)
+    replay = ReplayContext(config, rules, values, None)
+    r_assumption, r_claim = invariant.claim(replay)
+    seconds = time.perf_counter() - start
+    if not (s_assumption and not s_claim):
+        verdict = "PROVED"
+    else:
+        verdict = "REFUTED"
+    if (bool(s_assumption), bool(s_claim), interpreted.shown) != (bool(r_assumption), bool(r_claim), replay.shown):
+        verdict = "REPLAY-MISMATCH"
+    if verdict == "PROVED":
+        return verdict, seconds, None
+    cex = {"layout": config.layout.name, "dcp": config.layout.dcp, "speculation": config.speculation.describe(),
+           "policy": rules.name, "N": values["N"], "retention": config.retention if config.write_side else None,
+           "cache": {}, "z3": dict(interpreted.shown), "replayed": dict(replay.shown),
+           "witnesses": {k: v for k, v in values.items() if k != "N"}}
+    cex["repeat_hits"] = {name: list(refimpl.repeat_hits(ReplayContext(config, other, values, None).sizes(),
+                                                          values["N"], config.retention, other, 3))
+                          for name, other in spec_policy.POLICIES.items()}
+    return verdict, seconds, cex
+
+
 def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None):
     """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex)``."""
+    if scenario is not None and scenario.concrete:
+        return check_concrete(invariant, rules, scenario)
     start = time.perf_counter()
     with lowering():
         # A scenario's cache holds every block up to the hashes (one run) and no lookup reads past them.
@@ -288,6 +325,8 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
         formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
         if scenario is not None:
             formulas.append(ctx.n.z == scenario.n_tokens)
+            for name, value in scenario.pinned:
+                formulas.append(ctx.symbols[name].z == value)
             if not config.write_side:  # a write-side check builds its own caches
                 formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
         result, model, reason = solve(formulas)

@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: afa0840333408ea9e228f565d781cf9ba10e66a39ae1ccbf54762d21b18c0016
-output-sha256: fec26c02f338c37fcad7843dc5971e2a68ed24af81f6420ea516b6af68e5d06b
+spec-sha256: 415869c88886ae845df9edbd1004eb130b277e2f27673902393d2932cb3bba38
+output-sha256: 1dbb56a2978dd14474cc65015b7495f780a3a7628b8c7bdbb80c2ca59d238f31
 """
 
 import itertools
@@ -910,9 +910,12 @@ def cacheable_tokens(sizes: Sizes, k, computed):
     return aligned
 
 def group_extent(sizes: Sizes, k, n_tokens):
-    """The prompt-only blocks spec group ``k`` caches: within its cacheable tokens and ``N - L``."""
+    """The prompt-only prefix spec group ``k`` can cache, within its cacheable tokens and ``N - L``: whole
+    blocks for attention; for Mamba, boundaries at the unit it is read at (a Mamba state can sit inside a
+    block when it is read at hash granularity: the prompt checkpoint's partial tail)."""
     reach = min(cacheable_tokens(sizes, k, n_tokens), n_tokens - sizes.hash_lookahead)
-    return max(reach, 0) // sizes.groups[k].block * sizes.groups[k].block
+    unit = read_unit(sizes, k) if sizes.groups[k].kind is Kind.MAMBA else sizes.groups[k].block
+    return max(reach, 0) // unit * unit
 
 def read_unit(sizes: Sizes, k) -> int:
     """The unit spec group ``k``'s single boundaries are read at."""

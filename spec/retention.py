@@ -89,9 +89,12 @@ def cacheable_tokens(sizes: Sizes, k, computed):
 
 
 def group_extent(sizes: Sizes, k, n_tokens):
-    """The prompt-only blocks spec group ``k`` caches: within its cacheable tokens and ``N - L``."""
+    """The prompt-only prefix spec group ``k`` can cache, within its cacheable tokens and ``N - L``: whole
+    blocks for attention; for Mamba, boundaries at the unit it is read at (a Mamba state can sit inside a
+    block when it is read at hash granularity: the prompt checkpoint's partial tail)."""
     reach = min_(cacheable_tokens(sizes, k, n_tokens), n_tokens - sizes.hash_lookahead)
-    return floor_to(max_(reach, 0), sizes.groups[k].block)
+    unit = read_unit(sizes, k) if sizes.groups[k].kind is Kind.MAMBA else sizes.groups[k].block
+    return floor_to(max_(reach, 0), unit)
 
 
 def read_unit(sizes: Sizes, k) -> int:

@@ -102,6 +102,8 @@ def test_first_repeat_of_the_qwen3_next_report_hits_under_vllm_0_33_and_referenc
     ("qwen3next", MTP2_DROP, 8000, None, (0, 4800, 4800)),     # W1: a block-aligned prompt misses once
     ("qwen3next", MTP2_DROP, 8000, 0, (0, 4800, 4800)),
     ("gemma", MTP2_LOOKAHEAD, 577, 0, (0, 512, 512)),         # W3: replay boundary ignores the lookahead
+    ("dsv4_report", DROP, 46240, 0, (16384, 32768, 32768)),   # W4: the DeepSeek-V4 report at retention 0
+    ("dsv4_report", DROP, 46240, None, (32768, 32768, 32768)),
 ])
 def test_vllm_0_33_reproduces_repeat_hits_measured_on_vllm(name, speculation, n, interval, measured):
     assert _repeats(name, speculation, n, interval, "vllm_0_33") == measured
