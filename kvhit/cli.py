@@ -50,11 +50,17 @@ def _explain_parser(sub):
     p.add_argument("n_tokens", type=int, metavar="N", help="prompt length in tokens")
     p.add_argument("--prefix-match-unit", type=_pmu, default=None, metavar="U|none",
                    help="hash unit an operator asks for; 'none' for the GCD rule (default: the layout's)")
-    p.add_argument("--retention-interval", type=_int_or_none, default=None, metavar="R|none",
-                   help="validated (0 or a multiple of S); the write side it shapes is not modelled yet")
+    p.add_argument("--retention-interval", type=_int_or_none, default=0, metavar="R|none",
+                   help="vLLM's prefix_cache_retention_interval: 0 (default, as vLLM), none (dense) or a "
+                        "multiple of the scheduler block S")
+    p.add_argument("--cache", choices=["written", "dense"], default=None,
+                   help="written (default): what the first request left under each policy's write side; "
+                        "dense: every spec group holds every boundary up to --cached (the read side alone)")
     p.add_argument("--cached", type=_ints, default=None, metavar="C[,C...]",
-                   help="dense cached-prefix length, one for every spec group or one per spec group "
-                        "(default: N, the whole prompt)")
+                   help="dense cache only: cached-prefix length, one for every spec group or one per spec "
+                        "group (default: N, the whole prompt)")
+    p.add_argument("--sibling", type=int, default=None, metavar="N2",
+                   help="written cache: the longer prompt sharing the N tokens (default N + S)")
     p.add_argument("--policy", choices=["reference", "vllm_0_33", "historical"], default="reference")
     p.add_argument("--compare", action="store_true",
                    help="all three policies side by side, naming the invariant a difference violates")
@@ -103,7 +109,8 @@ def _explain(args):
         spec = explain.speculation(args.speculative, args.num_speculative_tokens, args.multi_module_mtp)
         policies = explain.POLICIES if args.compare else (args.policy,)
         report = explain.explain(layout, spec, args.n_tokens, policies, cached=args.cached,
-                                 retention_interval=args.retention_interval, compare=args.compare)
+                                 retention_interval=args.retention_interval, compare=args.compare,
+                                 cache=args.cache, sibling=args.sibling)
     except ValueError as e:
         return _fail("explain", e)
     print(json.dumps(report, indent=2) if args.json else explain.render(report, layout))
