@@ -88,6 +88,16 @@ def _plan_parser(sub):
     p.add_argument("--prefix-match-units", type=lambda t: [_pmu(x) for x in t.split(",")], default=None,
                    metavar="U,...", help="candidate prefix_match_unit values, 'none' for the GCD rule "
                    "(default: none and every multiple of 16 that divides the GCD of the effective blocks)")
+    p.add_argument("--retention-intervals", metavar="R,...", default=None,
+                   type=lambda t: [None if x.strip().lower() == "none" else _ints(x)[0] for x in t.split(",")],
+                   help="retention intervals to try, in scheduler blocks S ('none' for dense retention; "
+                        "default none,0,1,2,4); 0 (vLLM's default) is tried for every setting, the others for "
+                        "the best --retention-top")
+    p.add_argument("--retention-top", type=int, default=3, metavar="T",
+                   help="settings tried at the other retention intervals (default 3)")
+    p.add_argument("--cache", choices=["written", "dense"], default="written",
+                   help="written (default): what the shared prefix left as a prompt of its own; dense: every "
+                        "state of the shared prefix retained (no retention setting)")
     p.add_argument("--rank-by", choices=["reference", "vllm_0_33", "historical"], default="reference")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--plot", metavar="PNG", help="write hit length vs prompt length for the best settings")
@@ -133,8 +143,14 @@ def _plan(args):
             workload = plan.synthetic_workload(args.shared_prefix, args.suffix, args.requests, args.seed)
         candidates = plan.candidates(layout, spec, dcp=args.dcp, block_sizes=args.block_sizes,
                                      operator_groups=operator_groups,
-                                     prefix_match_units=args.prefix_match_units)
+                                     prefix_match_units=args.prefix_match_units, cache=args.cache,
+                                     retention_intervals=args.retention_intervals)
         result = plan.evaluate(candidates, workload)
+        if candidates.intervals:
+            first, _ = plan.rank(result, args.rank_by)
+            added = plan.with_retention(candidates, first, args.retention_top,
+                                        explicit=args.retention_intervals is not None)
+            plan.evaluate(candidates, workload, added)
     except ValueError as e:
         return _fail("plan", e)
     ranked = plan.rank(result, args.rank_by)
