@@ -381,7 +381,8 @@ def curve_points(settings, max_n, budget=1500):
 
 
 def plot(settings, workload, path, by):
-    """A PNG of hit length versus prompt length (whole prompt cached) for ``settings`` under policy ``by``,
+    """A PNG of hit length versus prompt length (the first repeat of an N-token prompt, or the whole prompt
+    cached with the dense cache) for ``settings`` under policy ``by``,
     and below it the tokens each setting recomputes (``N - hit``: the sawtooth that alignment and the eagle
     drop make), with the workload's prompt lengths marked and its requests' hits as dots."""
     import matplotlib
@@ -410,7 +411,8 @@ def plot(settings, workload, path, by):
     bottom.set_ylabel("recomputed tokens N - hit")
     bottom.set_xlabel("prompt length N (tokens)")
     top.set_title(f"{settings[0].layout.name or 'layout'}: best {len(settings)} settings by {by} "
-                  f"(lines: whole prompt cached; dots: the workload's requests)", fontsize=10)
+                  f"(lines: {'whole prompt cached' if settings[0].retention == 'dense' else 'first repeat of N tokens'}; "
+                  f"dots: the workload's requests)", fontsize=10)
     top.legend(loc="upper left", fontsize=8)
     bottom.set_xlim(0, max_n * 1.02)
     fig.tight_layout()
