@@ -505,6 +505,9 @@ def explain(layout, spec, n_tokens, policies=("reference",), cached=None, retent
     else:
         if sibling is not None:
             raise ValueError("--sibling needs the written cache (the write side); drop --cache dense")
+        if retention_interval != 0:
+            raise ValueError(f"--retention-interval {retention_interval} needs the written cache (a dense cache "
+                             f"retains every state); drop --cache dense")
         extents = cache_extents(cached, n_tokens, len(sizes.groups))
         makers = dict.fromkeys(policies, lambda: DenseCache(extents))
         sizes0 = refimpl.derive_sizes(layout, refimpl.NO_SPECULATION)

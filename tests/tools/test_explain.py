@@ -208,6 +208,8 @@ def test_layout_file_round_trips_and_explains_like_the_catalogue(tmp_path, capsy
     (["qwen3next", "100", "--cache", "written", "--cached", "50"], "use it with --cache dense"),
     (["qwen3next", "100", "--sibling", "100"], "the sibling must be longer than the prompt (100 tokens)"),
     (["qwen3next", "100", "--cache", "dense", "--sibling", "200"], "--sibling needs the written cache"),
+    (["qwen3next", "100", "--cache", "dense", "--retention-interval", "3200"],
+     "--retention-interval 3200 needs the written cache"),
     (["qwen3next", "0"], "at least one prompt token"),
     (["qwen3next", "100", "--prefix-match-unit", "300"], "not a multiple of the hash unit 300"),
     (["full16", "100", "--speculative", "none", "--num-speculative-tokens", "2"], "need an EAGLE-family mode"),
