@@ -50,11 +50,17 @@ def _explain_parser(sub):
     p.add_argument("n_tokens", type=int, metavar="N", help="prompt length in tokens")
     p.add_argument("--prefix-match-unit", type=_pmu, default=None, metavar="U|none",
                    help="hash unit an operator asks for; 'none' for the GCD rule (default: the layout's)")
-    p.add_argument("--retention-interval", type=_int_or_none, default=None, metavar="R|none",
-                   help="validated (0 or a multiple of S); the write side it shapes is not modelled yet")
+    p.add_argument("--retention-interval", type=_int_or_none, default=0, metavar="R|none",
+                   help="vLLM's prefix_cache_retention_interval: 0 (default, as vLLM), none (dense) or a "
+                        "multiple of the scheduler block S")
+    p.add_argument("--cache", choices=["written", "dense"], default=None,
+                   help="written (default): what the first request left under each policy's write side; "
+                        "dense: every spec group holds every boundary up to --cached (the read side alone)")
     p.add_argument("--cached", type=_ints, default=None, metavar="C[,C...]",
-                   help="dense cached-prefix length, one for every spec group or one per spec group "
-                        "(default: N, the whole prompt)")
+                   help="dense cache only: cached-prefix length, one for every spec group or one per spec "
+                        "group (default: N, the whole prompt)")
+    p.add_argument("--sibling", type=int, default=None, metavar="N2",
+                   help="written cache: the longer prompt sharing the N tokens (default N + S)")
     p.add_argument("--policy", choices=["reference", "vllm_0_33", "historical"], default="reference")
     p.add_argument("--compare", action="store_true",
                    help="all three policies side by side, naming the invariant a difference violates")
@@ -82,6 +88,16 @@ def _plan_parser(sub):
     p.add_argument("--prefix-match-units", type=lambda t: [_pmu(x) for x in t.split(",")], default=None,
                    metavar="U,...", help="candidate prefix_match_unit values, 'none' for the GCD rule "
                    "(default: none and every multiple of 16 that divides the GCD of the effective blocks)")
+    p.add_argument("--retention-intervals", metavar="R,...", default=None,
+                   type=lambda t: [None if x.strip().lower() == "none" else _ints(x)[0] for x in t.split(",")],
+                   help="retention intervals to try, in scheduler blocks S ('none' for dense retention; "
+                        "default none,0,1,2,4); 0 (vLLM's default) is tried for every setting, the others for "
+                        "the best --retention-top")
+    p.add_argument("--retention-top", type=int, default=3, metavar="T",
+                   help="settings tried at the other retention intervals (default 3)")
+    p.add_argument("--cache", choices=["written", "dense"], default="written",
+                   help="written (default): what the shared prefix left as a prompt of its own; dense: every "
+                        "state of the shared prefix retained (no retention setting)")
     p.add_argument("--rank-by", choices=["reference", "vllm_0_33", "historical"], default="reference")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--plot", metavar="PNG", help="write hit length vs prompt length for the best settings")
@@ -103,7 +119,8 @@ def _explain(args):
         spec = explain.speculation(args.speculative, args.num_speculative_tokens, args.multi_module_mtp)
         policies = explain.POLICIES if args.compare else (args.policy,)
         report = explain.explain(layout, spec, args.n_tokens, policies, cached=args.cached,
-                                 retention_interval=args.retention_interval, compare=args.compare)
+                                 retention_interval=args.retention_interval, compare=args.compare,
+                                 cache=args.cache, sibling=args.sibling)
     except ValueError as e:
         return _fail("explain", e)
     print(json.dumps(report, indent=2) if args.json else explain.render(report, layout))
@@ -126,8 +143,14 @@ def _plan(args):
             workload = plan.synthetic_workload(args.shared_prefix, args.suffix, args.requests, args.seed)
         candidates = plan.candidates(layout, spec, dcp=args.dcp, block_sizes=args.block_sizes,
                                      operator_groups=operator_groups,
-                                     prefix_match_units=args.prefix_match_units)
+                                     prefix_match_units=args.prefix_match_units, cache=args.cache,
+                                     retention_intervals=args.retention_intervals)
         result = plan.evaluate(candidates, workload)
+        if candidates.intervals:
+            first, _ = plan.rank(result, args.rank_by)
+            added = plan.with_retention(candidates, first, args.retention_top,
+                                        explicit=args.retention_intervals is not None)
+            plan.evaluate(candidates, workload, added)
     except ValueError as e:
         return _fail("plan", e)
     ranked = plan.rank(result, args.rank_by)

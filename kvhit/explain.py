@@ -13,10 +13,13 @@ Every number in a trace comes from ``kvhit.refimpl``; nothing here re-implements
 * ``--compare`` checks each policy's hit against the invariants of ``make prove`` on these concrete values
   (the same checks as ``tests/properties/test_invariants_concrete.py``) and names the ones it violates.
 
-The cache is a read-side assumption: by default every spec group holds every boundary of the prompt, what a
-previous identical request leaves when every state is retained. Which states the write side really retains
-(retention interval, replay boundaries, the first and second repeat) is not in the spec yet, so it is not in
-the trace.
+The cache is, by default, what the first request left: ``refimpl.request_writes`` (the write side of the
+spec) under each policy's own rules and the chosen retention interval (vLLM's default 0), read through
+``refimpl.written_cache``; the policy traces are then the first repeat. The ``write_side`` section adds the
+replay boundaries, the boundaries each group retained, ``refimpl.cacheable_tokens``, the hit with every
+state retained (``refimpl.dense_groups``), the second repeat (``refimpl.repeat``: on the cache after the
+first repeat's write, with the junction it recorded) and a longer sibling, each with its own trace.
+``cache="dense"`` keeps the read side's old assumption (every boundary up to an extent held).
 """
 
 from contextlib import contextmanager
@@ -55,23 +58,6 @@ def speculation(mode="none", num_speculative_tokens=None, multi_module_mtp=False
     if mode == "none":
         return Speculation("none", num_speculative_tokens or 0, multi_module_mtp)
     return Speculation(mode, 1 if num_speculative_tokens is None else num_speculative_tokens, multi_module_mtp)
-
-
-def check_retention_interval(value, layout, sizes):
-    """Validate a retention interval as vLLM 0.33 does (``_validate_prefix_cache_retention_interval``):
-    ``None`` (dense) or ``0`` always; a positive value only on a layout with a sliding-window or Mamba group,
-    and only a multiple of the scheduler block ``S``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"retention interval must be 'none' or a non-negative integer, got {value!r}")
-    if value > 0 and not any(g.kind in (Kind.SWA, Kind.MAMBA) for g in layout.groups):
-        raise ValueError(f"retention interval {value} has no effect: the layout has no sliding-window or Mamba "
-                         f"group (vLLM raises the same; use 0 or none)")
-    if value % sizes.scheduler_block:
-        raise ValueError(f"retention interval {value} is not a multiple of the scheduler block "
-                         f"{sizes.scheduler_block} (vLLM raises the same)")
-    return value
 
 
 def cache_extents(cached, n_tokens, num_groups):
@@ -312,17 +298,19 @@ def reference_trace(cache, sizes, n_tokens, rules):
             "longest": longest}
 
 
-def policy_trace(layout, spec, n_tokens, extents, policy):
+def policy_trace(layout, spec, n_tokens, make_cache, policy):
+    """One policy's trace of a request of ``n_tokens`` on the cache ``make_cache()`` builds (a fresh
+    ``CacheState`` per call: a cache records the highest boundary it was asked about)."""
     rules = refimpl.policy_rules(policy)
     sizes = refimpl.derive_sizes(layout, spec, rules.scale_replicated)
-    cache = DenseCache(extents)
+    cache = make_cache()
     if rules.declarative:
         trace = reference_trace(cache, sizes, n_tokens, rules)
     elif sizes.unitary:
         trace = unitary_trace(cache, sizes, n_tokens, rules)
     else:
         trace = hybrid_trace(cache, sizes, n_tokens, rules)
-    final = refimpl.hit_tokens(DenseCache(extents), sizes, n_tokens, rules)
+    final = refimpl.hit_tokens(make_cache(), sizes, n_tokens, rules)
     assert trace["hit"] == final[0], f"{policy}: the traced hit {trace['hit']} is not hit_tokens' {final[0]}"
     trace["policy"] = policy
     return trace
@@ -332,25 +320,27 @@ def policy_trace(layout, spec, n_tokens, extents, policy):
 # invariants, on concrete values
 # --------------------------------------------------------------------------------------------------
 
-def violations(layout, spec, n_tokens, extents, policy):
+def violations(layout, spec, n_tokens, make_cache, policy, whole_prompt):
     """The invariants of ``make prove`` that this policy's hit breaks on this request and cache.
 
     Checked per request: ``hit_is_aligned_and_capped``, ``lookup_stays_within_hashes``,
     ``hit_is_valid_in_every_group``, ``hit_is_the_longest_valid`` and, with speculation on,
     ``eagle_loses_at_most_one_block_beyond_alignment``. (``dcp_scales_only_sharded_groups`` and
-    ``hit_loop_terminates`` are about the layout and the loop, not about one hit.)
+    ``hit_loop_terminates`` are about the layout and the loop, not about one hit.) ``make_cache`` builds
+    the cache the request reads; ``whole_prompt``: it holds every boundary of the prompt (the second half of
+    the eagle invariant is about that cache only).
     """
     ref = refimpl.policy_rules("reference")
     rules = refimpl.policy_rules(policy)
     sizes = refimpl.derive_sizes(layout, spec, rules.scale_replicated)
-    hit, reach, _, _ = refimpl.hit_tokens(DenseCache(extents), sizes, n_tokens, rules)
+    hit, reach, _, _ = refimpl.hit_tokens(make_cache(), sizes, n_tokens, rules)
     r = refimpl.hash_reach(sizes, n_tokens)
     a = sizes.alignment
-    cache = DenseCache(extents)
+    cache = make_cache()
     ext = refimpl.group_extents(cache, sizes, r)
 
     def serves(s, x):
-        c = DenseCache(extents)
+        c = make_cache()
         return refimpl.serves_all(c, s, x, refimpl.group_extents(c, s, refimpl.hash_reach(s, n_tokens)),
                                   refimpl.hash_reach(s, n_tokens), ref)
 
@@ -369,22 +359,21 @@ def violations(layout, spec, n_tokens, extents, policy):
         out.append({"invariant": "hit_is_valid_in_every_group",
                     "why": f"group(s) {', '.join(map(str, bad))} cannot serve {hit}: "
                            + "; ".join(_why_not(cache, sizes, k, hit, ext, r, ref) for k in bad)})
-    ref_hit = refimpl.hit_tokens(DenseCache(extents), sizes, n_tokens, ref)[0]
+    ref_hit = refimpl.hit_tokens(make_cache(), sizes, n_tokens, ref)[0]
     if ref_hit > hit and serves(sizes, ref_hit):
         out.append({"invariant": "hit_is_the_longest_valid",
                     "why": f"{ref_hit} > {hit} is a multiple of A = {a}, within min(N - 1, |H|*h) and "
                            f"every group serves it (the reference hit)"})
     if spec.mode is not Mode.NONE:
         sizes0 = refimpl.derive_sizes(layout, refimpl.NO_SPECULATION, rules.scale_replicated)
-        h0 = refimpl.hit_tokens(DenseCache(extents), sizes0, n_tokens, rules)[0]
-        r0 = refimpl.hash_reach(sizes0, n_tokens)
+        h0 = refimpl.hit_tokens(make_cache(), sizes0, n_tokens, rules)[0]
         bound = max(0, min(n_tokens - 1, r - sizes.eagle_unit)) // a * a
         if h0 <= r and serves(sizes, h0) and hit < h0:
             out.append({"invariant": "eagle_loses_at_most_one_block_beyond_alignment",
                         "why": f"without speculation the hit is {h0}, and every group (each dropping EAGLE "
                                f"group with its drop unit past it) serves {h0} with speculation too, yet the "
                                f"hit is {hit}"})
-        elif all(e >= r0 for e in extents) and hit < bound:
+        elif whole_prompt and hit < bound:
             out.append({"invariant": "eagle_loses_at_most_one_block_beyond_alignment",
                         "why": f"with the whole prompt cached the hit must be at least "
                                f"floor_A(min(N - 1, |H|*h - D)) = {bound} (D = {sizes.eagle_unit})"})
@@ -392,20 +381,141 @@ def violations(layout, spec, n_tokens, extents, policy):
 
 
 # --------------------------------------------------------------------------------------------------
+# the write side
+# --------------------------------------------------------------------------------------------------
+
+REPEATS = 3  # repeats of the prompt after the first request: second_repeat_is_stable compares the 2nd and 3rd
+
+
+def retained(groups, k):
+    """What spec group ``k`` of the written cache ``groups`` (``refimpl.Held`` per spec group) holds, read
+    from the refimpl's ``written_cache``: every boundary up to ``all_up_to`` at the group's grid when it
+    keeps every one, and the single boundaries (positions > 0) it holds besides."""
+    g = groups[k]
+    cache = refimpl.written_cache(groups)
+    grid = g.block if g.kind in (Kind.FULL, Kind.SWA) else g.unit
+    singles = {p for p in g.points if p > 0}
+    if not g.every:
+        singles |= set(range(grid, g.extent + 1, grid))
+    kept = sorted(x for x in singles if (not g.every or x > g.extent or x % grid) and cache.has(k, x))
+    out = {"group": k, "kind": g.kind.value, "extent": g.extent, "all_up_to": g.extent if g.every else None,
+           "grid": grid, "boundaries": kept, "retained_states": refimpl.retained_states(g)}
+    if g.kind is Kind.SWA:
+        out["tails"] = {"need": g.need, "shift": g.shift, "period": g.period,
+                        "ends": sorted({e for e in g.ends if e > 0})}
+    return out
+
+
+def write_side(layout, spec, n_tokens, interval, policy, sibling):
+    """What the first request left under ``policy`` and what the next requests hit on it."""
+    rules = refimpl.policy_rules(policy)
+    sizes = refimpl.derive_sizes(layout, spec, rules.scale_replicated)
+    first = refimpl.request_writes(sizes, n_tokens, interval, rules)
+    dense = refimpl.dense_groups(sizes, n_tokens)
+    hit1, junction1, after1 = refimpl.repeat(sizes, n_tokens, interval, rules, first)
+    hit2, junction2, _ = refimpl.repeat(sizes, n_tokens, interval, rules, after1)
+    hits = refimpl.repeat_hits(sizes, n_tokens, interval, rules, REPEATS)
+    assert hits[:2] == (hit1, hit2), "repeat_hits disagrees with two calls of repeat"
+    dense_hit = refimpl.hit_tokens(refimpl.written_cache(dense), sizes, n_tokens, rules)[0]
+    dense_sibling = refimpl.hit_tokens(refimpl.written_cache(dense), sizes, sibling, rules)[0]
+    second = policy_trace(layout, spec, n_tokens, lambda: refimpl.written_cache(after1), policy)
+    near = policy_trace(layout, spec, sibling, lambda: refimpl.written_cache(first), policy)
+    return {
+        "policy": policy,
+        "replay_boundaries": sorted({b for b in refimpl.replay_boundaries(sizes, n_tokens, rules)}),
+        "cacheable_tokens": [refimpl.cacheable_tokens(sizes, k, n_tokens) for k in range(len(sizes.groups))],
+        "groups": [retained(first, k) for k in range(len(first))],
+        "retained_states": sum(refimpl.retained_states(g) for g in first if g.kind in (Kind.SWA, Kind.MAMBA)),
+        "dense_hit": dense_hit,
+        "first_repeat": {"hit": hit1, "junction": junction1},
+        "second_repeat": {"hit": hit2, "junction": junction2, "after_junction": junction1, "trace": second},
+        "sibling": {"n_tokens": sibling, "hit": near["hit"], "dense_hit": dense_sibling, "trace": near},
+        "repeat_hits": list(hits),
+    }
+
+
+def write_violations(side):
+    """The write-side invariants of ``make prove`` that a policy breaks on this prompt."""
+    out = []
+    first, near = side["first_repeat"]["hit"], side["sibling"]
+    if first != side["dense_hit"] or near["hit"] != near["dense_hit"]:
+        sparse = "; ".join(f"g{g['group']} {g['kind']} keeps " + (runs(g["boundaries"], g["grid"]) or "nothing")
+                           for g in side["groups"] if g["all_up_to"] is None)
+        why = []
+        if first != side["dense_hit"]:
+            why.append(f"the first repeat hits {first} where every state retained gives {side['dense_hit']}")
+        if near["hit"] != near["dense_hit"]:
+            why.append(f"the sibling of {near['n_tokens']} tokens hits {near['hit']} where every state retained "
+                       f"gives {near['dense_hit']}")
+        out.append({"invariant": "scheduler_and_mask_boundaries_agree",
+                    "why": "; ".join(why) + (f" (the masks: {sparse})" if sparse else "")})
+    later = side["repeat_hits"][1:]
+    if len(set(later)) > 1:
+        out.append({"invariant": "second_repeat_is_stable",
+                    "why": f"repeats 2..{len(side['repeat_hits'])} hit {', '.join(map(str, later))}"})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # the whole explanation
 # --------------------------------------------------------------------------------------------------
 
-def explain(layout, spec, n_tokens, policies=("reference",), cached=None, retention_interval=None,
-            compare=False):
-    """The explanation of one request as a JSON-ready dict (schema ``docs/explain.schema.json``)."""
+CACHES = ("written", "dense")
+
+
+def explain(layout, spec, n_tokens, policies=("reference",), cached=None, retention_interval=0,
+            compare=False, cache=None, sibling=None):
+    """The explanation of one request as a JSON-ready dict (schema ``docs/explain.schema.json``).
+
+    Args:
+        cache: ``"written"`` (default unless ``cached`` is given): what the first request with this prompt
+            left on an empty cache, per policy; ``"dense"``: every spec group holds every boundary up to
+            ``cached`` (default: the whole prompt).
+        retention_interval: vLLM's ``prefix_cache_retention_interval`` (None, 0 or a multiple of ``S``).
+        sibling: the longer prompt sharing the ``N`` tokens (default ``N + S``; written cache only).
+    """
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"a request needs at least one prompt token, got {n_tokens!r}")
     for p in policies:
         refimpl.policy_rules(p)
+    if cache is None:
+        cache = "dense" if cached is not None else "written"
+    if cache not in CACHES:
+        raise ValueError(f"unknown cache {cache!r} (known: {', '.join(CACHES)})")
+    if cache == "written" and cached is not None:
+        raise ValueError("--cached gives a dense cache's extents; use it with --cache dense")
     sizes = refimpl.derive_sizes(layout, spec)
-    retention_interval = check_retention_interval(retention_interval, layout, sizes)
-    extents = cache_extents(cached, n_tokens, len(sizes.groups))
-    traces = [policy_trace(layout, spec, n_tokens, extents, p) for p in policies]
+    if cache == "written":
+        refimpl.check_retention(sizes, retention_interval)
+        if sibling is None:
+            sibling = n_tokens + sizes.scheduler_block
+        if isinstance(sibling, bool) or not isinstance(sibling, int) or sibling <= n_tokens:
+            raise ValueError(f"the sibling must be longer than the prompt ({n_tokens} tokens), got {sibling!r}")
+        sides = [write_side(layout, spec, n_tokens, retention_interval, p, sibling) for p in policies]
+        writes = {p: refimpl.request_writes(refimpl.derive_sizes(layout, spec, refimpl.policy_rules(p)
+                                                                  .scale_replicated),
+                                            n_tokens, retention_interval, refimpl.policy_rules(p))
+                  for p in policies}
+        extents = [g.extent for g in next(iter(writes.values()))]
+        makers = {p: (lambda w=writes[p]: refimpl.written_cache(w)) for p in policies}
+        whole_prompt = False
+        assumption = ("what the first request with this prompt, run on an empty cache, left under each "
+                      "policy's write side (refimpl.request_writes) with this retention interval; the traces "
+                      "are the first repeat")
+    else:
+        if sibling is not None:
+            raise ValueError("--sibling needs the written cache (the write side); drop --cache dense")
+        if retention_interval != 0:
+            raise ValueError(f"--retention-interval {retention_interval} needs the written cache (a dense cache "
+                             f"retains every state); drop --cache dense")
+        extents = cache_extents(cached, n_tokens, len(sizes.groups))
+        makers = dict.fromkeys(policies, lambda: DenseCache(extents))
+        sizes0 = refimpl.derive_sizes(layout, refimpl.NO_SPECULATION)
+        whole_prompt = all(e >= refimpl.hash_reach(sizes0, n_tokens) for e in extents)
+        assumption = ("every spec group holds every block boundary up to its extent: what a previous request "
+                      "sharing that prefix leaves when every state is retained")
+        retention_interval = None
+    traces = [policy_trace(layout, spec, n_tokens, makers[p], p) for p in policies]
     out = {
         "schema": SCHEMA_ID,
         "input": {
@@ -414,24 +524,98 @@ def explain(layout, spec, n_tokens, policies=("reference",), cached=None, retent
             "speculation": {"mode": spec.mode.value, "num_speculative_tokens": spec.num_speculative_tokens,
                             "multi_module_mtp": spec.multi_module_mtp},
             "retention_interval": retention_interval,
-            "cache": {"kind": "dense", "extents": list(extents),
-                      "assumption": ("every spec group holds every block boundary up to its extent: what a "
-                                     "previous request sharing that prefix leaves when every state is "
-                                     "retained (the write side is not modelled yet)")},
+            "cache": {"kind": cache, "extents": list(extents), "assumption": assumption},
         },
         "sizes": sizes_section(layout, sizes, n_tokens),
         "policies": traces,
     }
+    if cache == "written":
+        for side, t in zip(sides, traces):
+            assert side["first_repeat"]["hit"] == t["hit"], "the first repeat's trace disagrees with repeat"
+        out["write_side"] = {"retention_interval": retention_interval, "sibling_tokens": sibling,
+                             "repeats": REPEATS, "policies": sides}
     if compare:
-        out["comparison"] = [{"policy": t["policy"], "hit": t["hit"],
-                              "violations": violations(layout, spec, n_tokens, extents, t["policy"])}
-                             for t in traces]
+        out["comparison"] = []
+        for i, t in enumerate(traces):
+            found = violations(layout, spec, n_tokens, makers[t["policy"]], t["policy"], whole_prompt)
+            entry = {"policy": t["policy"], "hit": t["hit"], "violations": found}
+            if cache == "written":
+                found += write_violations(sides[i])
+                entry.update(second_repeat=sides[i]["second_repeat"]["hit"], sibling=sides[i]["sibling"]["hit"])
+            out["comparison"].append(entry)
     return out
 
 
 # --------------------------------------------------------------------------------------------------
 # text
 # --------------------------------------------------------------------------------------------------
+
+def runs(xs, step):
+    """Sorted positions as text, a run of three or more ``step`` apart written ``first..last``."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] - xs[j] == step:
+            j += 1
+        out += [f"{xs[i]}..{xs[j]}"] if j - i >= 2 else [str(x) for x in xs[i:j + 1]]
+        i = j + 1
+    return ", ".join(out)
+
+
+def _compact(t):
+    """A trace in one line per pass: each group's candidate."""
+    if t["coordinator"] == "reference":
+        return [f"{t['why']}"]
+    out = []
+    for p in t["passes"]:
+        out.append(f"pass {p['index']} from {p['start']}: " + ", ".join(
+            f"g{s['group']} {s['kind']} {'trim' if s['action'] == 'trim' else 'at ' + str(s['bound'])}"
+            f"{' drop' if s['drop'] and s['result'] != s['found'] else ''} -> {s['candidate_after']}" for s in p["steps"]) + f" => {p['end']}")
+    return out
+
+
+def _held(g):
+    if g["all_up_to"] is not None:
+        text = f"every {g['grid']}-token boundary up to {g['all_up_to']}"
+        if g["boundaries"]:
+            text += " and " + runs(g["boundaries"], g["grid"])
+        return text
+    text = runs(g["boundaries"], g["grid"]) or "nothing"
+    if "tails" in g and g["tails"]["ends"]:
+        text += f" (tails of {g['tails']['need']} blocks ending at {', '.join(map(str, g['tails']['ends']))}"
+        text += f"; every {g['tails']['period']} tokens)" if g["tails"]["period"] else ")"
+    count = g["retained_states"]
+    return text + f": {count} " + ("block" if g["kind"] == "swa" else "state") + ("" if count == 1 else "s")
+
+
+def _render_write_side(ws, sz, add):
+    r = ws["retention_interval"]
+    add("")
+    add(f"write side (retention interval {'none (dense)' if r is None else r}; the first request ran on an empty "
+        f"cache; a junction of -1 is none)")
+    for side in ws["policies"]:
+        add(f"  policy {side['policy']}")
+        add(f"    replay boundaries     {', '.join(map(str, side['replay_boundaries']))}")
+        add(f"    cacheable tokens      " + ", ".join(f"g{k} {c}" for k, c in enumerate(side["cacheable_tokens"])))
+        add(f"    retained after the first request (boundaries > 0)")
+        for g in side["groups"]:
+            kind = sz["spec_groups"][g["group"]]["kind"]
+            add(f"      g{g['group']} {kind:<6} {_held(g)}")
+        if side["retained_states"]:
+            add(f"    retained states       {side['retained_states']} (sliding-window blocks and Mamba states)")
+        first, second, near = side["first_repeat"], side["second_repeat"], side["sibling"]
+        add(f"    every state retained  the prompt would hit {side['dense_hit']} (the read side's resume point); "
+            f"the sibling {near['dense_hit']}")
+        add(f"    first repeat          {first['hit']} (the trace above); it records junction {first['junction']}")
+        add(f"    second repeat         {second['hit']} (on the cache after the first repeat's write, junction "
+            f"{second['after_junction']}); records junction {second['junction']}")
+        for line in _compact(second["trace"]):
+            add(f"                          {line}")
+        add(f"    sibling N2 = {near['n_tokens']:<8} {near['hit']} (on the first request's cache)")
+        for line in _compact(near["trace"]):
+            add(f"                          {line}")
+        add(f"    repeats 1..{len(side['repeat_hits'])}          {', '.join(map(str, side['repeat_hits']))}")
+
 
 def render(report, layout):
     """The explanation as a person reads it."""
@@ -448,12 +632,15 @@ def render(report, layout):
                + (", multi-module MTP" if spec["multi_module_mtp"] else ""))
     add(f"request: N = {n} prompt tokens; speculation {sp}")
     ext = inp["cache"]["extents"]
-    add("cache: " + (f"every spec group holds every boundary up to {ext[0]}" if len(set(ext)) == 1 else
-                     "spec group k holds every boundary up to " + ", ".join(map(str, ext)))
-        + " (every state retained; the write side is not modelled yet)")
-    if inp["retention_interval"] is not None:
-        add(f"retention interval {inp['retention_interval']}: valid; what it retains (and the first/second "
-            f"repeat it leads to) needs the write side of the spec, not modelled yet")
+    if inp["cache"]["kind"] == "dense":
+        add("cache: " + (f"every spec group holds every boundary up to {ext[0]}" if len(set(ext)) == 1 else
+                         "spec group k holds every boundary up to " + ", ".join(map(str, ext)))
+            + " (--cache dense: every state retained)")
+    else:
+        r = inp["retention_interval"]
+        add(f"cache: what the first request of these {n} tokens left on an empty cache under each policy's write "
+            f"side, retention interval {'none (dense)' if r is None else r}; each policy's trace below is the "
+            f"first repeat")
     add("")
     add("derived sizes")
     add(f"  effective blocks    {', '.join(map(str, sz['effective_blocks']))}"
@@ -480,7 +667,8 @@ def render(report, layout):
         add(f"  eagle unit D        {sz['eagle_unit']} (largest margin of a dropping group)")
     for t in report["policies"]:
         add("")
-        add(f"policy {t['policy']} ({t['coordinator']}): hit {t['hit']}")
+        add(f"policy {t['policy']} ({t['coordinator']}): hit {t['hit']}"
+            + (" on the first repeat" if "write_side" in report else ""))
         if t["coordinator"] == "reference":
             add(f"  cap {t['cap']}; full-attention cached prefixes "
                 + (", ".join(f"g{k} {e}" for k, e in enumerate(t['extents'])
@@ -499,13 +687,18 @@ def render(report, layout):
             add(f"    => {p['end']}: {p['stop']}")
         add(f"  -> {t['hit']}" + (f" (reads up to boundary {t['reach']}, past |H|*h = {sz['hash_reach']})"
                                   if t["reach"] > sz["hash_reach"] else ""))
+    if "write_side" in report:
+        _render_write_side(report["write_side"], sz, add)
     if "comparison" in report:
         add("")
-        add("comparison")
+        add("comparison" + (" (first repeat, second repeat, sibling)" if "write_side" in report else ""))
         width = max(len(c["policy"]) for c in report["comparison"])
         for c in report["comparison"]:
             verdict = "; ".join(v["invariant"] for v in c["violations"]) or "no invariant violated"
-            add(f"  {c['policy']:<{width}}  {c['hit']:>8}  {verdict}")
+            hits = f"{c['hit']:>8}"
+            if "second_repeat" in c:
+                hits += f" {c['second_repeat']:>8} {c['sibling']:>8}"
+            add(f"  {c['policy']:<{width}}  {hits}  {verdict}")
             for v in c["violations"]:
-                add(f"  {'':<{width}}  {'':>8}    {v['invariant']}: {v['why']}")
+                add(f"  {'':<{width}}  {'':>{len(hits)}}    {v['invariant']}: {v['why']}")
     return "\n".join(lines)

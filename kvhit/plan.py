@@ -1,12 +1,19 @@
 """``kvhit plan``: rank the settings an operator controls by the cached tokens a workload gets.
 
-A workload is a list of requests ``(N, P)``: ``N`` prompt tokens of which the first ``P`` were left in the
-cache by an earlier request (``P = N`` is a repeat of the same prompt). The cache is the read side's dense
-assumption (every state of those ``P`` tokens retained; ``kvhit.dense.DenseCache``), and each hit is the
-generated refimpl's ``hit_tokens``. A setting is what an operator can change without changing the model:
-``--block-size`` for the groups that follow it, ``prefix_match_unit``, and lookahead versus drop for
-EAGLE/MTP. (The retention interval, and the retained-state count as its memory cost, need the write side of
-the spec, which is not modelled yet.)
+A workload is a list of requests ``(N, P)``: ``N`` prompt tokens of which the first ``P`` were the whole
+prompt of an earlier request on an empty cache (``P = N`` is the first repeat of that prompt, ``N > P`` a
+longer sibling). The cache the request reads is what that earlier request left: the generated refimpl's
+``request_writes`` under each policy's write side and the setting's retention interval, read through
+``written_cache``; each hit is ``hit_tokens``. ``cache="dense"`` keeps the read side's assumption instead
+(every state of the ``P`` tokens retained; ``kvhit.dense.DenseCache``).
+
+A setting is what an operator can change without changing the model: ``--block-size`` for the groups that
+follow it, ``prefix_match_unit``, lookahead versus drop for EAGLE/MTP, and the retention interval (None, 0
+or a multiple of the scheduler block). Its memory cost is the retained-state count: ``retained_states``
+of what the earlier request left, summed over the sliding-window and Mamba groups (Mamba states plus
+sliding-window blocks), per request on average. Reading a written cache is slower than the dense one, so
+every setting is first evaluated at vLLM's default retention interval 0 and the other intervals only for
+the best few (``retention_top``).
 """
 
 import math
@@ -111,8 +118,11 @@ class Setting:
     Attributes:
         label: the settings as a person writes them.
         layout, speculation, sizes: what the setting makes of the layout (refimpl types).
+        retention: the retention interval (None: dense retention; ``"dense"``: the dense cache, not a
+            setting).
         same_as: labels of other settings that derive identical sizes (evaluated once).
         mean: per policy, expected cached tokens per request.
+        states: per policy, retained states (Mamba states and sliding-window blocks) per request on average.
         past_hashes: per policy, requests whose lookups read past ``|H| * h`` (vLLM raises IndexError).
     """
     label: str
@@ -122,8 +132,10 @@ class Setting:
     layout: object
     speculation: object
     sizes: object
+    retention: object = 0
     same_as: list = field(default_factory=list)
     mean: dict = field(default_factory=dict)
+    states: dict = field(default_factory=dict)
     past_hashes: dict = field(default_factory=dict)
 
 
@@ -131,6 +143,7 @@ class Setting:
 class Candidates:
     settings: list
     rejected: list  # (label, reason)
+    intervals: list = field(default_factory=list)  # retention intervals still to try (in scheduler blocks or None)
 
 
 def _default_units(layout):
@@ -145,9 +158,23 @@ def _default_units(layout):
     return units
 
 
-def candidates(layout, spec, dcp=None, block_sizes=None, operator_groups=(), prefix_match_units=None):
+DEFAULT_INTERVALS = (None, 0, 1, 2, 4)  # retention intervals: None, 0 and multiples of the scheduler block S
+
+
+def _interval_label(r):
+    return "R none" if r is None else f"R {r}"
+
+
+def candidates(layout, spec, dcp=None, block_sizes=None, operator_groups=(), prefix_match_units=None,
+               cache="written", retention_intervals=None):
     """Every combination of the operator's settings, validated by the domain (an impossible one is kept in
-    ``rejected`` with the domain's reason); settings that derive identical sizes are merged."""
+    ``rejected`` with the domain's reason); settings that derive identical sizes are merged.
+
+    With the written cache each setting is made at retention interval 0 (vLLM's default; ``dense`` cache:
+    no retention at all); ``retention_intervals`` (``None`` or multiples of ``S`` in scheduler blocks, given
+    as ``("S", k)``, or plain token counts) are kept for :func:`with_retention`."""
+    if cache not in ("written", "dense"):
+        raise ValueError(f"unknown cache {cache!r} (known: written, dense)")
     if block_sizes is not None and not operator_groups:
         configure(layout, block_size=block_sizes[0], operator_groups=())  # raises the clear error
     modes = ["none"] if spec.mode is Mode.NONE else ["lookahead", "drop"]
@@ -161,60 +188,118 @@ def candidates(layout, spec, dcp=None, block_sizes=None, operator_groups=(), pre
             continue
         for u in units:
             for mode in modes:
-                label = ", ".join(([f"block {b}"] if b is not None else []) + [f"pmu {u}", mode])
+                label = ", ".join(([f"block {b}"] if b is not None else []) + [f"pmu {u}", mode]
+                                  + (["R 0"] if cache == "written" else []))
                 try:
                     lay = configure(base, prefix_match_unit=u)
                     sp = Speculation(mode, spec.num_speculative_tokens, spec.multi_module_mtp)
                     sizes = refimpl.derive_sizes(lay, sp)
+                    if cache == "written":
+                        refimpl.check_retention(sizes, 0)
                 except (ValueError, LayoutError) as e:
                     rejected.append((label, str(e)))
                     continue
                 if sizes in seen:
                     seen[sizes].same_as.append(label)
                     continue
-                s = Setting(label, b, u, mode, lay, sp, sizes)
+                s = Setting(label, b, u, mode, lay, sp, sizes, 0 if cache == "written" else "dense")
                 seen[sizes] = s
                 settings.append(s)
     if not settings:
         raise ValueError("no valid setting: " + "; ".join(f"{label}: {why}" for label, why in rejected))
-    return Candidates(settings, rejected)
+    intervals = []
+    if cache == "written":
+        intervals = list(DEFAULT_INTERVALS if retention_intervals is None else retention_intervals)
+    return Candidates(settings, rejected, intervals)
+
+
+def with_retention(cands, ranked, top, explicit=False):
+    """Add the best ``top`` settings of ``ranked`` at each other retention interval of ``cands.intervals``
+    (``None``, or a multiple of ``S`` in scheduler blocks), to evaluate next. An interval the spec refuses
+    (``refimpl.check_retention``) is listed as rejected when the operator asked for it (``explicit``) and
+    skipped when it is one of the defaults (None on a layout without sliding-window or Mamba groups)."""
+    added = []
+    for base in ranked[:top]:
+        for r in cands.intervals:
+            interval = None if r is None else r * base.sizes.scheduler_block
+            if interval == base.retention:
+                continue
+            label = base.label.replace("R 0", _interval_label(interval))
+            try:
+                refimpl.check_retention(base.sizes, interval)
+            except ValueError as e:
+                if explicit:
+                    cands.rejected.append((label, str(e)))
+                continue
+            s = Setting(label, base.block_size, base.prefix_match_unit, base.mode, base.layout, base.speculation,
+                        base.sizes, interval)
+            cands.settings.append(s)
+            added.append(s)
+    return added
 
 
 # --------------------------------------------------------------------------------------------------
 # evaluation
 # --------------------------------------------------------------------------------------------------
 
-def hit_of(setting, n, p, policy):
-    """The refimpl's hit and reach for one request under one setting and policy."""
+def _writes(setting, p, rules):
+    return refimpl.request_writes(setting.sizes, p, setting.retention, rules)
+
+
+def hit_of(setting, n, p, policy, writes=None):
+    """The refimpl's hit and reach for one request under one setting and policy: on what the earlier
+    ``P``-token request left (``writes``, computed when not given), or on the dense cache."""
     rules = refimpl.policy_rules(policy)
-    hit, reach, _, _ = refimpl.hit_tokens(DenseCache((p,) * len(setting.sizes.groups)), setting.sizes, n, rules)
+    if p == 0:
+        cache = DenseCache((0,) * len(setting.sizes.groups))
+    elif setting.retention == "dense":
+        cache = DenseCache((p,) * len(setting.sizes.groups))
+    else:
+        cache = refimpl.written_cache(_writes(setting, p, rules) if writes is None else writes)
+    hit, reach, _, _ = refimpl.hit_tokens(cache, setting.sizes, n, rules)
     return hit, reach
 
 
-def evaluate(cands, workload):
-    """Fill in each setting's expected cached tokens per request, per policy."""
-    for s in cands.settings:
+def retained_of(writes):
+    """Retained states of a written cache: ``refimpl.retained_states`` over its sliding-window and Mamba
+    groups."""
+    return sum(refimpl.retained_states(g) for g in writes if g.kind.value in ("swa", "mamba"))
+
+
+def evaluate(cands, workload, settings=None):
+    """Fill in each setting's expected cached tokens and retained states per request, per policy
+    (``settings``: only these, default all)."""
+    for s in cands.settings if settings is None else settings:
         for policy in POLICIES:
-            memo = {}
-            total = past = 0
+            rules = refimpl.policy_rules(policy)
+            memo, written = {}, {}
+            total = past = states = 0
             for n, p in workload:
                 key = (n, p)
                 if key not in memo:
-                    hit, reach = hit_of(s, n, p, policy)
-                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n))
-                hit, bad = memo[key]
+                    writes = None
+                    if s.retention != "dense" and p > 0:
+                        if p not in written:
+                            written[p] = _writes(s, p, rules)
+                        writes = written[p]
+                    hit, reach = hit_of(s, n, p, policy, writes)
+                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), retained_of(writes) if writes else 0)
+                hit, bad, kept = memo[key]
                 total += hit
                 past += bad
+                states += kept
             s.mean[policy] = total / len(workload)
             s.past_hashes[policy] = past
+            s.states[policy] = states / len(workload)
     return cands
 
 
 def rank(cands, by):
-    """Settings, best first under policy ``by``; ties go to the larger hash unit (fewer hashes to
-    compute), then to the order they were listed in."""
+    """Settings, best first under policy ``by``; ties go to fewer retained states (memory), then to the
+    larger hash unit (fewer hashes to compute), then to the order they were listed in."""
     order = sorted(range(len(cands.settings)),
-                   key=lambda i: (-cands.settings[i].mean[by], -cands.settings[i].sizes.hash_block, i))
+                   key=lambda i: (-cands.settings[i].mean[by], cands.settings[i].states.get(by, 0),
+                                  -cands.settings[i].sizes.hash_block, i))
     return [cands.settings[i] for i in order], cands.rejected
 
 
@@ -235,8 +320,14 @@ def render(ranked, workload, by, top):
     lines = [f"workload: {w['requests']} requests, prompt {w['min_prompt']}..{w['max_prompt']} tokens "
              f"(mean {w['mean_prompt']:.0f}, median {w['median_prompt']}), cached shared prefix "
              f"{w['mean_cached_prefix']:.0f} tokens on average",
-             f"expected cached tokens per request (ranked by {by}; % of the mean prompt in brackets)", ""]
-    head = f"{'#':>3}  {'setting':<34} {'S/h/A':<18}" + "".join(f"{p:>18}" for p in POLICIES) + "  notes"
+             f"expected cached tokens per request (ranked by {by}; % of the mean prompt in brackets); "
+             + ("the cache is what the request's shared prefix left as a prompt of its own, under each policy's "
+                "write side and the setting's retention interval R; states: retained Mamba states and "
+                f"sliding-window blocks per request under {by}" if settings[0].retention != "dense" else
+                "the cache is every state of the shared prefix retained (--cache dense)"), ""]
+    dense = settings[0].retention == "dense"
+    head = (f"{'#':>3}  {'setting':<34} {'S/h/A':<18}" + "".join(f"{p:>18}" for p in POLICIES)
+            + ("" if dense else f"{'states':>9}") + "  notes")
     lines += [head, "-" * len(head)]
     for i, s in enumerate(settings[:top], 1):
         sz = s.sizes
@@ -247,15 +338,14 @@ def render(ranked, workload, by, top):
             notes.append("reads past |H| (vLLM IndexError): " + ", ".join(bad))
         if s.same_as:
             notes.append("same as " + "; ".join(s.same_as))
+        cost = "" if dense else f"{s.states[by]:>9.1f}"
         lines.append(f"{i:>3}  {s.label:<34} {f'{sz.scheduler_block}/{sz.hash_block}/{sz.alignment}':<18}"
-                     f"{cells}  {' | '.join(notes)}".rstrip())
+                     f"{cells}{cost}  {' | '.join(notes)}".rstrip())
     if len(settings) > top:
         lines.append(f"     ... {len(settings) - top} more (--top)")
     for label, why in rejected:
         lines.append(f"rejected: {label}: {why}")
-    lines.append("not evaluated: retention interval and the retained-state memory cost (the write side is not "
-                 "modelled yet); the cache is every state of the shared prefix retained")
-    if any(g.kind.value in ("swa", "mamba") for g in settings[0].layout.groups):
+    if dense and any(g.kind.value in ("swa", "mamba") for g in settings[0].layout.groups):
         lines.append("caution: sliding-window and Mamba state is assumed kept at every boundary; real retention "
                      "keeps it at far fewer, so settings with a small hash unit look better here than they will be")
     return "\n".join(lines)
@@ -269,7 +359,9 @@ def to_json(ranked, workload, by):
                       "prefix_match_unit": None if s.prefix_match_unit == "none" else s.prefix_match_unit,
                       "speculative": s.mode, "scheduler_block": s.sizes.scheduler_block,
                       "hash_block": s.sizes.hash_block, "alignment": s.sizes.alignment, "same_as": s.same_as,
-                      "mean_cached_tokens": dict(s.mean), "requests_reading_past_hashes": dict(s.past_hashes)}
+                      "retention_interval": s.retention, "mean_cached_tokens": dict(s.mean),
+                      "mean_retained_states": dict(s.states),
+                      "requests_reading_past_hashes": dict(s.past_hashes)}
                      for i, s in enumerate(settings, 1)],
         "rejected": [{"label": label, "reason": why} for label, why in rejected],
     }
@@ -289,7 +381,8 @@ def curve_points(settings, max_n, budget=1500):
 
 
 def plot(settings, workload, path, by):
-    """A PNG of hit length versus prompt length (whole prompt cached) for ``settings`` under policy ``by``,
+    """A PNG of hit length versus prompt length (the first repeat of an N-token prompt, or the whole prompt
+    cached with the dense cache) for ``settings`` under policy ``by``,
     and below it the tokens each setting recomputes (``N - hit``: the sawtooth that alignment and the eagle
     drop make), with the workload's prompt lengths marked and its requests' hits as dots."""
     import matplotlib
@@ -318,7 +411,8 @@ def plot(settings, workload, path, by):
     bottom.set_ylabel("recomputed tokens N - hit")
     bottom.set_xlabel("prompt length N (tokens)")
     top.set_title(f"{settings[0].layout.name or 'layout'}: best {len(settings)} settings by {by} "
-                  f"(lines: whole prompt cached; dots: the workload's requests)", fontsize=10)
+                  f"(lines: {'whole prompt cached' if settings[0].retention == 'dense' else 'first repeat of N tokens'}; "
+                  f"dots: the workload's requests)", fontsize=10)
     top.legend(loc="upper left", fontsize=8)
     bottom.set_xlim(0, max_n * 1.02)
     fig.tight_layout()

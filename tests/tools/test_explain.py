@@ -24,7 +24,9 @@ CASES = [  # (layout, mode, k, multi-module MTP, N)
 
 
 def _report(name, mode, k, mtp, n, cached=None):
-    return explain(catalogue()[name], speculation(mode, k, mtp), n, POLICIES, cached=cached, compare=True)
+    """The read side alone: the dense cache these tests recompute with ``CacheState.up_to``."""
+    return explain(catalogue()[name], speculation(mode, k, mtp), n, POLICIES, cached=cached, compare=True,
+                   cache="dense")
 
 
 @pytest.mark.parametrize("name, mode, k, mtp, n", CASES)
@@ -116,7 +118,7 @@ def test_explain_reproduces_the_deepseek_v4_report():
                         "historical": ["hit_is_the_longest_valid", "eagle_loses_at_most_one_block_beyond_alignment"]}
 
 
-def test_explain_shows_the_qwen3_next_resume_point():
+def test_dense_cache_shows_the_qwen3_next_resume_point():
     report = _report("qwen3next", "drop", 2, True, 11910)
     assert {t["policy"]: t["hit"] for t in report["policies"]} == dict.fromkeys(POLICIES, 9600)
     sz = report["sizes"]
@@ -142,14 +144,18 @@ def test_a_shorter_cached_prefix_is_served_as_refimpl_says():
     assert report["policies"][0]["hit"] == 12800
 
 
-@pytest.mark.parametrize("name, mode, k, mtp, n", CASES)
-def test_json_output_follows_the_documented_schema(name, mode, k, mtp, n, capsys):
+# chunked local attention has no write side (refused: test_bad_settings_are_refused_with_the_problem_named)
+@pytest.mark.parametrize("name, mode, k, mtp, n, cache", [(*c, cache) for c in CASES for cache in ("written", "dense")
+                                                          if not (cache == "written" and c[0] == "chunked64")])
+def test_json_output_follows_the_documented_schema(name, mode, k, mtp, n, cache, capsys):
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
-    args = ["explain", name, str(n), "--speculative", mode, "--compare", "--json"]
+    args = ["explain", name, str(n), "--speculative", mode, "--compare", "--json", "--cache", cache]
     args += ["--num-speculative-tokens", str(k)] if k else []
     args += ["--multi-module-mtp"] if mtp else []
     assert main(args) == 0
-    jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMA)
+    report = json.loads(capsys.readouterr().out)
+    jsonschema.validate(report, SCHEMA)
+    assert report["input"]["cache"]["kind"] == cache and ("write_side" in report) == (cache == "written")
 
 
 def test_json_schema_rejects_a_report_missing_its_hit():
@@ -187,14 +193,23 @@ def test_layout_file_round_trips_and_explains_like_the_catalogue(tmp_path, capsy
 
     path = tmp_path / "dsv4.json"
     path.write_text(json.dumps(to_json(catalogue()["dsv4_report"])))
-    assert main(["explain", str(path), "46240", "--speculative", "drop", "--policy", "historical", "--json"]) == 0
+    assert main(["explain", str(path), "46240", "--speculative", "drop", "--policy", "historical", "--cache", "dense",
+                 "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["policies"][0]["hit"] == 16384
 
 
 @pytest.mark.parametrize("args, message", [
-    (["dsv4_report", "46240", "--retention-interval", "100"], "not a multiple of the scheduler block 16384"),
-    (["full16", "100", "--retention-interval", "16"], "no sliding-window or Mamba group"),
-    (["qwen3next", "100", "--cached", "1,2,3"], "the layout has 2 spec groups"),
+    (["dsv4_report", "46240", "--retention-interval", "100"],
+     "retention interval 100 must be None, 0 or a positive multiple of the scheduler block 16384"),
+    (["full16", "100", "--retention-interval", "16"], "retention interval 16 needs a sliding-window or Mamba group"),
+    (["full16", "100", "--retention-interval", "none"], "retention interval None needs a sliding-window or Mamba"),
+    (["chunked64", "300"], "the write side does not model chunked local attention"),
+    (["qwen3next", "100", "--cache", "dense", "--cached", "1,2,3"], "the layout has 2 spec groups"),
+    (["qwen3next", "100", "--cache", "written", "--cached", "50"], "use it with --cache dense"),
+    (["qwen3next", "100", "--sibling", "100"], "the sibling must be longer than the prompt (100 tokens)"),
+    (["qwen3next", "100", "--cache", "dense", "--sibling", "200"], "--sibling needs the written cache"),
+    (["qwen3next", "100", "--cache", "dense", "--retention-interval", "3200"],
+     "--retention-interval 3200 needs the written cache"),
     (["qwen3next", "0"], "at least one prompt token"),
     (["qwen3next", "100", "--prefix-match-unit", "300"], "not a multiple of the hash unit 300"),
     (["full16", "100", "--speculative", "none", "--num-speculative-tokens", "2"], "need an EAGLE-family mode"),
@@ -204,7 +219,6 @@ def test_bad_settings_are_refused_with_the_problem_named(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_a_valid_retention_interval_is_accepted_and_the_trace_says_the_write_side_is_missing(capsys):
-    assert main(["explain", "qwen3next", "11910", "--retention-interval", "3200"]) == 0
-    out = capsys.readouterr().out
-    assert "retention interval 3200: valid" in out and "not modelled yet" in out
+def test_chunked_layout_is_explained_on_the_dense_cache(capsys):
+    assert main(["explain", "chunked64", "300", "--cache", "dense"]) == 0
+    assert "--cache dense: every state retained" in capsys.readouterr().out

@@ -17,18 +17,81 @@ def _direct_mean(layout, spec, workload, policy):
     return sum(refimpl.hit(layout, spec, n, CacheState.up_to([p] * groups), policy) for n, p in workload) / len(workload)
 
 
+def _direct_written(layout, spec, workload, policy, interval):
+    """Expected cached tokens and retained states per request, each request reading what its shared prefix
+    left as a prompt of its own: refimpl.request_writes, written_cache and the public ``hit``."""
+    rules = refimpl.policy_rules(policy)
+    sizes = refimpl.derive_sizes(layout, spec)
+    hits = states = 0
+    for n, p in workload:
+        left = refimpl.request_writes(sizes, p, interval, rules)
+        hits += refimpl.hit(layout, spec, n, refimpl.written_cache(left), policy)
+        states += sum(refimpl.retained_states(g) for g in left if g.kind.value in ("swa", "mamba"))
+    return hits / len(workload), states / len(workload)
+
+
 @pytest.mark.parametrize("name, spec, workload_args", [
-    ("qwen3next", speculation("drop", 2, True), ("uniform:2000:30000", "uniform:0:3000", 300, 1)),
-    ("gemma", speculation("drop", 1), ("uniform:100:5000", "fixed:0", 300, 2)),
-    ("three_kind", speculation("lookahead", 1), ("normal:12000:4000", "choice:0,500", 200, 3)),
+    ("qwen3next", speculation("drop", 2, True), ("uniform:2000:30000", "uniform:0:3000", 60, 1)),
+    ("gemma", speculation("drop", 1), ("uniform:100:5000", "fixed:0", 100, 2)),
+    ("three_kind", speculation("lookahead", 1), ("normal:12000:4000", "choice:0,500", 40, 3)),
 ])
-@pytest.mark.parametrize("policy", POLICIES)
-def test_top_setting_really_gives_the_most_cached_tokens(name, spec, workload_args, policy):
+def test_top_setting_really_gives_the_most_cached_tokens(name, spec, workload_args):
     workload = plan.synthetic_workload(*workload_args)
     cands = plan.evaluate(plan.candidates(catalogue()[name], spec), workload)
+    for policy in POLICIES:
+        ranked, _ = plan.rank(cands, policy)
+        direct = {s.label: _direct_written(s.layout, s.speculation, workload, policy, 0) for s in ranked}
+        assert direct[ranked[0].label][0] == max(d[0] for d in direct.values())
+        for s in ranked:
+            assert (s.mean[policy], s.states[policy]) == pytest.approx(direct[s.label])
+        assert [direct[s.label][0] for s in ranked] == sorted((d[0] for d in direct.values()), reverse=True)
+
+
+def test_retention_intervals_are_tried_on_the_best_settings_and_ranked_with_their_cost():
+    workload = [(n, n) for n in range(1000, 30000, 997)] + [(n + 1700, n) for n in range(2000, 20000, 1511)]
+    layout, spec = catalogue()["three_kind"], speculation("drop", 1)
+    cands = plan.evaluate(plan.candidates(layout, spec, retention_intervals=[None, 0, 2]), workload)
+    first, _ = plan.rank(cands, "vllm_0_33")
+    added = plan.with_retention(cands, first, 2, explicit=True)
+    assert [s.label for s in added] == [first[0].label.replace("R 0", "R none"),
+                                         first[0].label.replace("R 0", "R 3200"),
+                                         first[1].label.replace("R 0", "R none"),
+                                         first[1].label.replace("R 0", "R 3200")]
+    plan.evaluate(cands, workload, added)
+    ranked, _ = plan.rank(cands, "vllm_0_33")
+    for s in added:
+        for policy in POLICIES:
+            assert (s.mean[policy], s.states[policy]) == pytest.approx(
+                _direct_written(s.layout, s.speculation, workload, policy, s.retention))
+    means = [s.mean["vllm_0_33"] for s in ranked]
+    assert means == sorted(means, reverse=True)
+    dense = [s for s in added if s.retention is None][0]
+    sparse = [s for s in added if s.retention == 0 or s.retention == 3200]
+    assert all(dense.states["vllm_0_33"] > s.states["vllm_0_33"] for s in sparse[:1])
+
+
+def test_a_retention_interval_the_spec_refuses_is_listed_when_asked_for_and_skipped_by_default():
+    workload = [(1000, 1000)]
+    cands = plan.evaluate(plan.candidates(catalogue()["full16"], speculation("drop", 1)), workload)
+    assert plan.with_retention(cands, cands.settings, 1) == [] and cands.rejected == []
+    cands = plan.evaluate(plan.candidates(catalogue()["full16"], speculation("drop", 1),
+                                          retention_intervals=[None, 2]), workload)
+    plan.with_retention(cands, cands.settings, 1, explicit=True)
+    assert cands.settings[0].label == "pmu none, lookahead, R 0"
+    assert ("pmu none, lookahead, R none", "retention interval None needs a sliding-window or Mamba group; this layout "
+            "has none, so use 0 (vLLM raises the same)") in cands.rejected
+    assert any(label == "pmu none, lookahead, R 32" and "needs a sliding-window or Mamba group" in why
+               for label, why in cands.rejected)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_dense_cache_ranks_as_before(policy):
+    workload = plan.synthetic_workload("uniform:2000:30000", "uniform:0:3000", 200, 1)
+    cands = plan.evaluate(plan.candidates(catalogue()["qwen3next"], speculation("drop", 2, True), cache="dense"),
+                          workload)
+    assert cands.intervals == [] and all(s.retention == "dense" for s in cands.settings)
     ranked, _ = plan.rank(cands, policy)
     direct = {s.label: _direct_mean(s.layout, s.speculation, workload, policy) for s in ranked}
-    assert direct[ranked[0].label] == max(direct.values())
     for s in ranked:
         assert s.mean[policy] == pytest.approx(direct[s.label])
     assert [direct[s.label] for s in ranked] == sorted(direct.values(), reverse=True)
@@ -38,7 +101,7 @@ def test_block_size_candidates_follow_the_operator_groups():
     workload = [(n, n) for n in range(100, 3000, 37)]
     layout = catalogue()["llama_eagle"]
     cands = plan.evaluate(plan.candidates(layout, speculation("drop", 1), block_sizes=[16, 32, 64],
-                                          operator_groups=(0, 1)), workload)
+                                          operator_groups=(0, 1), cache="dense"), workload)
     blocks = {s.block_size: s.sizes.effective_blocks for s in cands.settings}
     assert blocks[32] == (32, 32) and blocks[64] == (64, 64)
     for s in cands.settings:
@@ -54,22 +117,23 @@ def test_block_sizes_without_operator_groups_is_refused(capsys):
 
 def test_impossible_settings_are_listed_as_rejected_with_the_domain_reason():
     cands = plan.candidates(catalogue()["dsv4_report"], speculation("drop", 1), prefix_match_units=["none", 8])
-    assert [s.label for s in cands.settings] == ["pmu none, lookahead", "pmu none, drop"]
-    assert ("pmu 8, drop", "group 5: effective block 4 is not a multiple of the hash unit 8") in cands.rejected
+    assert [s.label for s in cands.settings] == ["pmu none, lookahead, R 0", "pmu none, drop, R 0"]
+    assert ("pmu 8, drop, R 0", "group 5: effective block 4 is not a multiple of the hash unit 8") in cands.rejected
 
 
 def test_settings_with_identical_sizes_are_evaluated_once():
     cands = plan.candidates(catalogue()["qwen3next"], speculation("none"), prefix_match_units=["none", 1600, 160])
-    assert [s.label for s in cands.settings] == ["pmu none, none", "pmu 160, none"]
-    assert cands.settings[0].same_as == ["pmu 1600, none"]
+    assert [s.label for s in cands.settings] == ["pmu none, none, R 0", "pmu 160, none, R 0"]
+    assert cands.settings[0].same_as == ["pmu 1600, none, R 0"]
 
 
 def test_plan_writes_the_png_and_prints_the_table(tmp_path, capsys):
     png = tmp_path / "plan.png"
     assert main(["plan", "dsv4_report", "--speculative", "drop", "--shared-prefix", "uniform:8000:70000",
-                 "--requests", "200", "--plot", str(png)]) == 0
+                 "--requests", "100", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "pmu none, lookahead" in out and "pmu none, drop" in out
+    assert "pmu none, lookahead, R 0" in out and "pmu none, drop, R 16384" in out and "states" in out
+    assert "not evaluated" not in out
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
