@@ -157,25 +157,30 @@ class WriteModel:
         mamba_groups: the spec-group indices of Mamba groups.
     """
 
-    def __init__(self, sizes: Sizes, retention: int | None) -> None:
+    def __init__(self, sizes: Sizes, retention: int | None, label: str = "") -> None:
+        self.label = label
         self.sizes = sizes
         self.retention = retention
         self.mamba_groups = tuple(k for k, sg in enumerate(sizes.groups) if sg.kind is Kind.MAMBA)
-        self._boundaries: dict[int, tuple[int, ...]] = {}
+        self._boundaries: dict[int, tuple[int, int, int]] = {}
 
-    def boundaries(self, n_tokens: int) -> tuple[int, ...]:
-        """The reference replay boundaries of a prompt of ``n_tokens``, ascending, distinct."""
+    def resume_points(self, n_tokens: int) -> tuple[int, int, int]:
+        """``refimpl.replay_boundaries(sizes, N, REFERENCE)``: (resend, near sibling, far sibling)."""
         found = self._boundaries.get(n_tokens)
         if found is None:
-            found = tuple(sorted(set(replay_boundaries(self.sizes, n_tokens, REFERENCE))))
+            found = tuple(replay_boundaries(self.sizes, n_tokens, REFERENCE))
             if len(self._boundaries) > 4096:
                 self._boundaries.clear()
             self._boundaries[n_tokens] = found
         return found
 
+    def boundaries(self, n_tokens: int) -> tuple[int, ...]:
+        """The reference replay boundaries of a prompt of ``n_tokens``, ascending, distinct."""
+        return tuple(sorted(set(self.resume_points(n_tokens))))
+
     def resend_boundary(self, n_tokens: int) -> int:
         """Where a resend of the prompt resumes: the reference's Mamba prompt checkpoint."""
-        resend = replay_boundaries(self.sizes, n_tokens, REFERENCE)[0] if n_tokens > 0 else 0
+        resend = self.resume_points(n_tokens)[0]
         return resend // self.sizes.alignment * self.sizes.alignment
 
     def next_mamba_stop(self, n_tokens: int, start: int, end: int) -> int | None:
@@ -196,7 +201,8 @@ class WriteModel:
         return best
 
 
-def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes) -> tuple[WriteModel | None, str]:
+def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
+                label: str) -> tuple[WriteModel | None, str]:
     """The reference write side for a modelled coordinator, or ``(None, why it is left to vLLM)``."""
     retention = coordinator.retention_interval
     try:
@@ -210,7 +216,7 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes) -> tuple[WriteMod
     for g in coordinator.kv_cache_config.kv_cache_groups:
         if isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.num_prefill_checkpoint_blocks:
             return None, "backend-internal Mamba prefill checkpoints are not modelled"
-    return WriteModel(sizes, retention), ""
+    return WriteModel(sizes, retention, label), ""
 
 
 def _group_of(index: int, group_spec, manager) -> Group:
@@ -341,7 +347,7 @@ def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
             if vllm_drops[gid] != sg.drops:
                 raise Unmodelled(f"{layout.name}: group {gid} drops in vLLM: {vllm_drops[gid]}, "
                                  f"in the spec: {sg.drops}")
-    write, write_note = _write_side(coordinator, sizes)
+    write, write_note = _write_side(coordinator, sizes, layout.name)
     return CoordinatorModel(layout, speculation, sizes, tuple(tuple(sg.members) for sg in sizes.groups),
                             tuple(spec_group_of), layout.name, write, write_note)
 
@@ -731,9 +737,18 @@ def coordinator_replay_boundaries(num_prompt_tokens: int, scheduler_block_size: 
     """``kv_cache_coordinator.replay_boundaries``: the reference's resume points inside an enforced
     ``cache_blocks`` (``refimpl.replay_boundaries(sizes, N, REFERENCE)``), vLLM's elsewhere."""
     writing = _writing.get()
-    if writing is None:
-        return _ORIGINAL_REPLAY_BOUNDARIES(num_prompt_tokens, scheduler_block_size, use_eagle)
-    return writing.write.boundaries(num_prompt_tokens)
+    if writing is not None:
+        try:
+            return writing.write.boundaries(num_prompt_tokens)
+        except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down
+            _write_fall_back(writing.write, e)
+    return _ORIGINAL_REPLAY_BOUNDARIES(num_prompt_tokens, scheduler_block_size, use_eagle)
+
+
+def _write_fall_back(write: WriteModel, error: Exception) -> None:
+    ENFORCE_FALLBACKS.labels(write.label).inc()
+    _fallback_log(logging.ERROR, "kvhit enforce: write side on layout %s answered by vLLM: %s: %s",
+                  write.label, type(error).__name__, error)
 
 
 def _checkpoint_position(original: Callable):
@@ -743,10 +758,13 @@ def _checkpoint_position(original: Callable):
         an enforced write, the reference resend boundary (where the prompt's Mamba state is kept), else
         vLLM's."""
         writing = _writing.get()
-        if writing is None:
-            return original(num_tokens, hash_block_size, drop_eagle_block,
-                            num_hash_lookahead_tokens=num_hash_lookahead_tokens)
-        return writing.write.resend_boundary(writing.num_prompt_tokens)
+        if writing is not None:
+            try:
+                return writing.write.resend_boundary(writing.num_prompt_tokens)
+            except Exception as e:  # noqa: BLE001 - see coordinator_replay_boundaries
+                _write_fall_back(writing.write, e)
+        return original(num_tokens, hash_block_size, drop_eagle_block,
+                        num_hash_lookahead_tokens=num_hash_lookahead_tokens)
 
     return get_mamba_prefill_checkpoint_position
 
@@ -774,7 +792,11 @@ def mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_
     start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
     if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
         return num_new_tokens
-    stop = write.next_mamba_stop(request.num_prompt_tokens, start, start + num_new_tokens)
+    try:
+        stop = write.next_mamba_stop(request.num_prompt_tokens, start, start + num_new_tokens)
+    except Exception as e:  # noqa: BLE001 - see coordinator_replay_boundaries
+        _write_fall_back(write, e)
+        return num_new_tokens
     return num_new_tokens if stop is None else stop - start
 
 

@@ -196,3 +196,23 @@ def test_mamba_read_at_hash_granularity_keeps_vllms_write_side(kvhit_log):
     assert model is not None and model.write is None and "partial" in model.write_note
     assert any("write side: vLLM's" in r.getMessage() for r in kvhit_log.records)
     assert _stock_run("qwen3next_pmu160", 11910, "drop", 1, 0)[0] == stock[0]
+
+
+def test_write_side_failure_is_answered_by_vllm_and_counted(monkeypatch):
+    """If the reference write side raises, vLLM's own boundaries and chunk stops are used for that call,
+    the fallback counter grows and the scheduler goes on: the cache left is stock vLLM's."""
+    stock = _harness("qwen3next", 1, 8000, "drop", 2, 0)
+    tokens = _tokens(8000)
+    stock_chunks = stock.serve(tokens, decode_steps=0)["chunks"]
+
+    def broken(self, n_tokens):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(v0_33.WriteModel, "resume_points", broken)
+    assert kvhit_vllm.install("enforce")
+    harness = _harness("qwen3next", 1, 8000, "drop", 2, 0)
+    model = v0_33._models[harness.manager.coordinator]
+    before = v0_33.ENFORCE_FALLBACKS.labels(model.label)._value.get()
+    assert harness.serve(tokens, decode_steps=0)["chunks"] == stock_chunks
+    assert harness.retained(tokens) == stock.retained(tokens)
+    assert v0_33.ENFORCE_FALLBACKS.labels(model.label)._value.get() > before
