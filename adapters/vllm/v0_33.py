@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""kvhit's reference hit length inside vLLM 0.33.0's scheduler process (the read side).
+"""kvhit's reference policy inside vLLM 0.33.0's scheduler process: the hit length (read side) and where
+a request leaves state (write side).
 
 Imported by :func:`kvhit.adapters.vllm.install` only after it checked that vLLM is 0.33.0. This is the one
 module of kvhit that imports vLLM internals; of kvhit it imports only the generated ``kvhit.refimpl``.
@@ -14,6 +15,12 @@ Seams (each restored by :func:`uninstall`):
   the hit of ``KVCacheManager.get_computed_blocks``.
 * ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: the per-group hits of
   ``KVCacheManager.get_computed_blocks_for_connector``.
+* Write side (enforce, layouts with a :class:`WriteModel`): ``KVCacheCoordinator.cache_blocks`` (a wrapper
+  marking the request being cached), the names it and ``MambaManager._cache_partial_tail_block`` call,
+  ``kv_cache_coordinator.replay_boundaries`` and ``single_type_kv_cache_manager.
+  get_mamba_prefill_checkpoint_position``, and ``Scheduler._mamba_block_aligned_split`` with the
+  scheduler module's ``get_mamba_prefill_checkpoint_position``: state is kept at the reference's replay
+  boundaries and the scheduler ends a chunk at each Mamba state the reference keeps.
 
 An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_length = N - 1``)::
 

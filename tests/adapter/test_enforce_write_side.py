@@ -170,7 +170,8 @@ def _stock_run(name, n, mode, k, retention):
 
 
 @pytest.mark.parametrize("name, n, mode, k, retention", [
-    ("qwen3next", 8000, "drop", 2, 0), ("qwen3next", 11910, "drop", 1, None), ("dsv4_cuda", 3000, "drop", 1, 0),
+    ("qwen3next", 8000, "drop", 2, 0), ("qwen3next", 11910, "drop", 1, None),
+    ("dsv4_cuda", 3000, "drop", 1, 0),
     ("gemma", 704, "none", 1, 0),
 ])
 def test_off_and_shadow_leave_the_write_side_stock(name, n, mode, k, retention):
