@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # for (a request for 50,000 ran 49,287), so the long run asks for 52,000 to run at least 50,000.
 CONFORMANCE_LONG_SCENARIOS ?= 52000
 
-.PHONY: prove test setup gen check-gen venv conformance conformance-long clean
+.PHONY: prove test setup gen check-gen venv conformance conformance-long bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ conformance: setup
 
 conformance-long: setup
 	KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) $(PY) -m pytest -q tests/conformance
+
+bench: setup
+	$(PY) -m tests.adapter.bench_enforce
 
 gen: venv
 	$(PY) -m kvhit.spec.codegen

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""kvhit's reference hit length inside vLLM 0.33.0's scheduler process (the read side).
+"""kvhit's reference policy inside vLLM 0.33.0's scheduler process: the hit length (read side) and where
+a request leaves state (write side).
 
 Imported by :func:`kvhit.adapters.vllm.install` only after it checked that vLLM is 0.33.0. This is the one
 module of kvhit that imports vLLM internals; of kvhit it imports only the generated ``kvhit.refimpl``.
@@ -14,6 +15,12 @@ Seams (each restored by :func:`uninstall`):
   the hit of ``KVCacheManager.get_computed_blocks``.
 * ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: the per-group hits of
   ``KVCacheManager.get_computed_blocks_for_connector``.
+* Write side (enforce, layouts with a :class:`WriteModel`): ``KVCacheCoordinator.cache_blocks`` (a wrapper
+  marking the request being cached), the names it and ``MambaManager._cache_partial_tail_block`` call,
+  ``kv_cache_coordinator.replay_boundaries`` and ``single_type_kv_cache_manager.
+  get_mamba_prefill_checkpoint_position``, and ``Scheduler._mamba_block_aligned_split`` with the
+  scheduler module's ``get_mamba_prefill_checkpoint_position``: state is kept at the reference's replay
+  boundaries and the scheduler ends a chunk at each Mamba state the reference keeps.
 
 An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_length = N - 1``)::
 
@@ -31,6 +38,7 @@ to vLLM.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import time
@@ -40,7 +48,10 @@ from fractions import Fraction
 
 from prometheus_client import Counter
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core import kv_cache_coordinator as _coordinator_module
 from vllm.v1.core import kv_cache_manager as _manager_module
+from vllm.v1.core import single_type_kv_cache_manager as _single_type_module
+from vllm.v1.core.sched import scheduler as _scheduler_module
 from vllm.v1.core.kv_cache_coordinator import eagle_proof_margin
 from vllm.v1.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -70,11 +81,15 @@ from kvhit.refimpl import (
     Layout,
     Sizes,
     Speculation,
+    check_retention,
     derive_sizes,
+    group_extent,
     group_extents,
     hit_tokens,
     num_hashes,
+    read_unit,
     reference_pass,
+    replay_boundaries,
 )
 
 from . import log_once, logger
@@ -113,6 +128,8 @@ class CoordinatorModel:
         members: per spec group (``sizes.groups`` order), the vLLM KV-cache group ids it covers.
         spec_group_of: per vLLM KV-cache group id, the index of its spec group.
         label: a short description for logs and metric labels.
+        write: the reference write side for this layout, or None when it is left to vLLM
+            (``write_note`` says why).
     """
 
     layout: Layout
@@ -121,10 +138,92 @@ class CoordinatorModel:
     members: tuple[tuple[int, ...], ...]
     spec_group_of: tuple[int, ...]
     label: str
+    write: WriteModel | None = None
+    write_note: str = ""
 
     @property
     def unitary(self) -> bool:
         return self.sizes.unitary
+
+
+class WriteModel:
+    """The reference write side of one modelled layout: where a request's prompt leaves state.
+
+    ``refimpl.replay_boundaries(sizes, N, REFERENCE)`` are the points kvhit's own read side resumes at (a
+    resend, a sibling one token longer, a far sibling) on the cache the request would leave with every state
+    retained. vLLM's masks keep state exactly there when they are given these boundaries (its sliding-window
+    and Mamba masks have the spec's mechanics), and the scheduler ends a prefill chunk at each of them so
+    that every Mamba group has a state to keep::
+
+        | hit | chunk | chunk    | chunk |       Mamba states at the chunk ends; the mask keeps those
+        0    start    b1         b2      N       at b1, b2 (and every R tokens / every unit when R = None)
+
+    Attributes:
+        sizes: the layout's derived sizes.
+        retention: vLLM's ``prefix_cache_retention_interval`` (None: dense).
+        mamba_groups: the spec-group indices of Mamba groups.
+    """
+
+    def __init__(self, sizes: Sizes, retention: int | None, label: str = "") -> None:
+        self.label = label
+        self.sizes = sizes
+        self.retention = retention
+        self.mamba_groups = tuple(k for k, sg in enumerate(sizes.groups) if sg.kind is Kind.MAMBA)
+        self._boundaries: dict[int, tuple[int, int, int]] = {}
+
+    def resume_points(self, n_tokens: int) -> tuple[int, int, int]:
+        """``refimpl.replay_boundaries(sizes, N, REFERENCE)``: (resend, near sibling, far sibling)."""
+        found = self._boundaries.get(n_tokens)
+        if found is None:
+            found = tuple(replay_boundaries(self.sizes, n_tokens, REFERENCE))
+            if len(self._boundaries) > 4096:
+                self._boundaries.clear()
+            self._boundaries[n_tokens] = found
+        return found
+
+    def boundaries(self, n_tokens: int) -> tuple[int, ...]:
+        """The reference replay boundaries of a prompt of ``n_tokens``, ascending, distinct."""
+        return tuple(sorted(set(self.resume_points(n_tokens))))
+
+    def resend_boundary(self, n_tokens: int) -> int:
+        """Where a resend of the prompt resumes: the reference's Mamba prompt checkpoint."""
+        resend = self.resume_points(n_tokens)[0]
+        return resend // self.sizes.alignment * self.sizes.alignment
+
+    def next_mamba_stop(self, n_tokens: int, start: int, end: int) -> int | None:
+        """The first position strictly inside ``(start, end)`` where a Mamba group of the prompt keeps a
+        state under the reference (``refimpl.mamba_held``): an aligned replay boundary, a multiple of the
+        retention interval, or with dense retention every unit; each at most the group's extent."""
+        a = self.sizes.alignment
+        best = None
+        for k in self.mamba_groups:
+            extent = group_extent(self.sizes, k, n_tokens)
+            candidates = [x // a * a for x in self.boundaries(n_tokens)]
+            step = read_unit(self.sizes, k) if self.retention is None else self.retention
+            if step:
+                candidates.append((start // step + 1) * step)
+            for x in candidates:
+                if start < x < end and x <= extent and (best is None or x < best):
+                    best = x
+        return best
+
+
+def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
+                label: str) -> tuple[WriteModel | None, str]:
+    """The reference write side for a modelled coordinator, or ``(None, why it is left to vLLM)``."""
+    retention = coordinator.retention_interval
+    try:
+        check_retention(sizes, retention)
+    except ValueError as e:
+        return None, f"the spec's write side rejects it: {e}"
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.MAMBA and read_unit(sizes, k) != sg.block:
+            return None, ("a Mamba group read at hash granularity (partial hits): its states inside a block "
+                          "are partial tails, of which vLLM keeps one per request")
+    for g in coordinator.kv_cache_config.kv_cache_groups:
+        if isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.num_prefill_checkpoint_blocks:
+            return None, "backend-internal Mamba prefill checkpoints are not modelled"
+    return WriteModel(sizes, retention, label), ""
 
 
 def _group_of(index: int, group_spec, manager) -> Group:
@@ -255,8 +354,9 @@ def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
             if vllm_drops[gid] != sg.drops:
                 raise Unmodelled(f"{layout.name}: group {gid} drops in vLLM: {vllm_drops[gid]}, "
                                  f"in the spec: {sg.drops}")
+    write, write_note = _write_side(coordinator, sizes, layout.name)
     return CoordinatorModel(layout, speculation, sizes, tuple(tuple(sg.members) for sg in sizes.groups),
-                            tuple(spec_group_of), layout.name)
+                            tuple(spec_group_of), layout.name, write, write_note)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,10 +503,15 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
                                     alignment)
         for gid, group_blocks in zip(spec_group.group_ids, blocks):
             out[gid] = group_blocks
-    # vLLM reports the prefix its first lookup found (its first spec group: full attention when there is
-    # any) beyond the hit as an uncached shared prefix; the write side pins that junction for the lagging
-    # sparse groups. The spec may merge more KV-cache groups into that spec group than vLLM does, so the
-    # first group is asked about with vLLM's members.
+    if model.write is not None:
+        # The reference write side records no junction (refimpl.junction_of: the reference lookup has no
+        # longer intermediate candidate than its hit): the replay boundaries already keep every state a
+        # repeat resumes at.
+        return tuple(out), hit, 0
+    # vLLM's write side: vLLM reports the prefix its first lookup found (its first spec group: full
+    # attention when there is any) beyond the hit as an uncached shared prefix; the write side pins that
+    # junction for the lagging sparse groups. The spec may merge more KV-cache groups into that spec group
+    # than vLLM does, so the first group is asked about with vLLM's members.
     first = coordinator.attention_groups[0].group_ids
     k = model.spec_group_of[first[0]]
     if tuple(first) != model.members[k]:
@@ -527,8 +632,9 @@ def get_kv_cache_coordinator(*args, **kwargs) -> KVCacheCoordinator:
         return coordinator
     _models[coordinator] = model
     sizes = model.sizes
-    log_once(logging.INFO, "kvhit: layout %s (S=%d, h=%d, A=%d) is modelled; mode %s",
-             model.label, sizes.scheduler_block, sizes.hash_block, sizes.alignment, _mode)
+    log_once(logging.INFO, "kvhit: layout %s (S=%d, h=%d, A=%d) is modelled; mode %s; write side: %s",
+             model.label, sizes.scheduler_block, sizes.hash_block, sizes.alignment, _mode,
+             "reference" if model.write is not None else f"vLLM's ({model.write_note})")
     return coordinator
 
 
@@ -590,6 +696,118 @@ def hybrid_find_longest_cache_hit_per_group(self: HybridKVCacheCoordinator, bloc
 
 
 # --------------------------------------------------------------------------------------------------
+# The write side
+# --------------------------------------------------------------------------------------------------
+
+_ORIGINAL_CACHE_BLOCKS = KVCacheCoordinator.__dict__["cache_blocks"]
+_ORIGINAL_REPLAY_BOUNDARIES = _coordinator_module.replay_boundaries
+_ORIGINAL_MANAGER_CHECKPOINT = _single_type_module.get_mamba_prefill_checkpoint_position
+_ORIGINAL_SCHEDULER_CHECKPOINT = _scheduler_module.get_mamba_prefill_checkpoint_position
+_ORIGINAL_MAMBA_SPLIT = _scheduler_module.Scheduler.__dict__["_mamba_block_aligned_split"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Writing:
+    """The request whose state vLLM is placing: its layout's write model and prompt length."""
+
+    write: WriteModel
+    num_prompt_tokens: int
+
+
+# Set while KVCacheCoordinator.cache_blocks or Scheduler._mamba_block_aligned_split runs for a request of a
+# coordinator whose write side kvhit enforces; the module functions vLLM calls by name inside them read it.
+# Outside (KV connectors' copies, other callers) they are vLLM's.
+_writing: contextvars.ContextVar[_Writing | None] = contextvars.ContextVar("kvhit_writing", default=None)
+
+
+def _write_model(coordinator) -> WriteModel | None:
+    if _mode != "enforce" or coordinator is None:
+        return None
+    model = _models.get(coordinator)
+    return None if model is None else model.write
+
+
+def coordinator_cache_blocks(self: KVCacheCoordinator, request, num_computed_tokens: int) -> None:
+    """``KVCacheCoordinator.cache_blocks`` with the reference replay boundaries and Mamba checkpoint."""
+    write = _write_model(self)
+    if write is None:
+        return _ORIGINAL_CACHE_BLOCKS(self, request, num_computed_tokens)
+    token = _writing.set(_Writing(write, request.num_prompt_tokens))
+    try:
+        return _ORIGINAL_CACHE_BLOCKS(self, request, num_computed_tokens)
+    finally:
+        _writing.reset(token)
+
+
+def coordinator_replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int,
+                                  use_eagle: bool) -> tuple[int, ...]:
+    """``kv_cache_coordinator.replay_boundaries``: the reference's resume points inside an enforced
+    ``cache_blocks`` (``refimpl.replay_boundaries(sizes, N, REFERENCE)``), vLLM's elsewhere."""
+    writing = _writing.get()
+    if writing is not None:
+        try:
+            return writing.write.boundaries(num_prompt_tokens)
+        except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down
+            _write_fall_back(writing.write, e)
+    return _ORIGINAL_REPLAY_BOUNDARIES(num_prompt_tokens, scheduler_block_size, use_eagle)
+
+
+def _write_fall_back(write: WriteModel, error: Exception) -> None:
+    ENFORCE_FALLBACKS.labels(write.label).inc()
+    _fallback_log(logging.ERROR, "kvhit enforce: write side on layout %s answered by vLLM: %s: %s",
+                  write.label, type(error).__name__, error)
+
+
+def _checkpoint_position(original: Callable):
+    def get_mamba_prefill_checkpoint_position(num_tokens, hash_block_size, drop_eagle_block,
+                                              num_hash_lookahead_tokens=0):
+        """``get_mamba_prefill_checkpoint_position`` as the Mamba manager and the scheduler see it: inside
+        an enforced write, the reference resend boundary (where the prompt's Mamba state is kept), else
+        vLLM's."""
+        writing = _writing.get()
+        if writing is not None:
+            try:
+                return writing.write.resend_boundary(writing.num_prompt_tokens)
+            except Exception as e:  # noqa: BLE001 - see coordinator_replay_boundaries
+                _write_fall_back(writing.write, e)
+        return original(num_tokens, hash_block_size, drop_eagle_block,
+                        num_hash_lookahead_tokens=num_hash_lookahead_tokens)
+
+    return get_mamba_prefill_checkpoint_position
+
+
+manager_checkpoint_position = _checkpoint_position(_ORIGINAL_MANAGER_CHECKPOINT)
+scheduler_checkpoint_position = _checkpoint_position(_ORIGINAL_SCHEDULER_CHECKPOINT)
+
+
+def mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+                              num_external_computed_tokens: int = 0) -> int:
+    """``Scheduler._mamba_block_aligned_split``: vLLM's clipping with the reference prompt checkpoint,
+    then the chunk also ends at the first reference Mamba state inside it (``WriteModel.next_mamba_stop``),
+    so a state exists at every point the reference retains."""
+    manager = getattr(self, "kv_cache_manager", None)
+    write = _write_model(getattr(manager, "coordinator", None))
+    if write is None:
+        return _ORIGINAL_MAMBA_SPLIT(self, request, num_new_tokens, num_new_local_computed_tokens,
+                                     num_external_computed_tokens)
+    token = _writing.set(_Writing(write, request.num_prompt_tokens))
+    try:
+        num_new_tokens = _ORIGINAL_MAMBA_SPLIT(self, request, num_new_tokens, num_new_local_computed_tokens,
+                                               num_external_computed_tokens)
+    finally:
+        _writing.reset(token)
+    start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+    if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+        return num_new_tokens
+    try:
+        stop = write.next_mamba_stop(request.num_prompt_tokens, start, start + num_new_tokens)
+    except Exception as e:  # noqa: BLE001 - see coordinator_replay_boundaries
+        _write_fall_back(write, e)
+        return num_new_tokens
+    return num_new_tokens if stop is None else stop - start
+
+
+# --------------------------------------------------------------------------------------------------
 # install / uninstall
 # --------------------------------------------------------------------------------------------------
 
@@ -601,12 +819,24 @@ SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
      hybrid_find_longest_cache_hit),
     (HybridKVCacheCoordinator, "find_longest_cache_hit_per_group", _ORIGINAL_HYBRID_PER_GROUP,
      hybrid_find_longest_cache_hit_per_group),
+    # The write side (enforce only, layouts with a WriteModel).
+    (KVCacheCoordinator, "cache_blocks", _ORIGINAL_CACHE_BLOCKS, coordinator_cache_blocks),
+    (_coordinator_module, "replay_boundaries", _ORIGINAL_REPLAY_BOUNDARIES, coordinator_replay_boundaries),
+    (_single_type_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_MANAGER_CHECKPOINT,
+     manager_checkpoint_position),
+    (_scheduler_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_SCHEDULER_CHECKPOINT,
+     scheduler_checkpoint_position),
+    (_scheduler_module.Scheduler, "_mamba_block_aligned_split", _ORIGINAL_MAMBA_SPLIT,
+     mamba_block_aligned_split),
 )
 """(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""
 
 
+_MODULES = (_manager_module, _coordinator_module, _single_type_module, _scheduler_module)
+
+
 def _seam_name(owner: object, name: str) -> str:
-    prefix = owner.__name__ if owner is _manager_module else f"{owner.__module__}.{owner.__name__}"
+    prefix = owner.__name__ if owner in _MODULES else f"{owner.__module__}.{owner.__name__}"
     return f"{prefix}.{name}"
 
 

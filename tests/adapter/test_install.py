@@ -28,12 +28,25 @@ def test_seams_are_the_narrow_lookup_points_of_vllm_0_33():
     import vllm.v1.core.kv_cache_coordinator as coordinator
     import vllm.v1.core.kv_cache_manager as manager
 
+    import vllm.v1.core.sched.scheduler as scheduler
+    import vllm.v1.core.single_type_kv_cache_manager as single_type
+
     assert {(getattr(owner, "__name__"), name) for owner, name, _, _ in v0_33.SEAMS} == {
         (manager.__name__, "get_kv_cache_coordinator"),
         ("UnitaryKVCacheCoordinator", "find_longest_cache_hit"),
         ("HybridKVCacheCoordinator", "find_longest_cache_hit"),
         ("HybridKVCacheCoordinator", "find_longest_cache_hit_per_group"),
+        # the write side
+        ("KVCacheCoordinator", "cache_blocks"),
+        (coordinator.__name__, "replay_boundaries"),
+        (single_type.__name__, "get_mamba_prefill_checkpoint_position"),
+        (scheduler.__name__, "get_mamba_prefill_checkpoint_position"),
+        ("Scheduler", "_mamba_block_aligned_split"),
     }
+    # vLLM calls these module functions by the names patched here
+    assert coordinator.KVCacheCoordinator.cache_blocks.__globals__ is vars(coordinator)
+    assert single_type.MambaManager._cache_partial_tail_block.__globals__ is vars(single_type)
+    assert scheduler.Scheduler._mamba_block_aligned_split.__globals__ is vars(scheduler)
     assert manager.get_kv_cache_coordinator is coordinator.get_kv_cache_coordinator
 
 

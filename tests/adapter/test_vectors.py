@@ -37,7 +37,17 @@ def _refimpl(config):
             R.Speculation(s.mode.value, s.num_speculative_tokens, s.multi_module_mtp))
 
 
-@pytest.mark.parametrize("path", VECTORS, ids=[p.stem for p in VECTORS])
+# Read-side vectors pin a cache state and the hits on it; write-side vectors (``repeat_hits``) pin a prompt
+# served on an empty cache and the hits of its resends.
+READ_VECTORS = [p for p in VECTORS if "hits" in json.loads(p.read_text())]
+WRITE_VECTORS = [p for p in VECTORS if "repeat_hits" in json.loads(p.read_text())]
+
+
+def test_every_vector_is_replayed_by_one_of_the_tests():
+    assert sorted(READ_VECTORS + WRITE_VECTORS) == sorted(VECTORS) and WRITE_VECTORS
+
+
+@pytest.mark.parametrize("path", READ_VECTORS, ids=[p.stem for p in READ_VECTORS])
 def test_enforce_gives_the_reference_hit_on_every_pinned_counterexample_state(path):
     record = json.loads(path.read_text())
     config = _config(record)
@@ -79,3 +89,28 @@ def test_enforce_gives_the_reference_hit_on_every_pinned_counterexample_state(pa
     assert hit == expected, f"{path.stem}: enforce {hit}, reference {expected}, vLLM {stock}"
     assert not unsound_blocks(harness, tokens, blocks, hit)
     assert v0_33.ENFORCE_FALLBACKS.labels(v0_33._models[harness.manager.coordinator].label)._value.get() == 0
+
+
+@pytest.mark.parametrize("path", WRITE_VECTORS, ids=[p.stem for p in WRITE_VECTORS])
+def test_enforce_repeats_every_pinned_write_side_counterexample_as_the_reference(path):
+    """Serve the vector's prompt once on an empty cache (one sampled token, as the spec models it), then
+    resend it: under enforce each resend hits what the vector records for ``reference``."""
+    record = json.loads(path.read_text())
+    config = _config(record)
+    layout, spec = _refimpl(config)
+    n = record["N"]
+    want = tuple(record["repeat_hits"]["reference"])
+    sizes = R.derive_sizes(layout, spec)
+    assert R.repeat_hits(sizes, n, record["retention"], R.REFERENCE, len(want)) == want
+    assert kvhit_vllm.install("enforce")
+    harness = VllmHarness(harness_layout(config.layout, config.layout.dcp), spec.mode.value,
+                          num_speculative_tokens=max(1, spec.num_speculative_tokens),
+                          multi_module_mtp=spec.multi_module_mtp, retention_interval=record["retention"],
+                          max_model_len=n + 64)
+    tokens = [random.Random(path.stem).randrange(1, 50000) for _ in range(n)]
+    harness.serve(tokens, decode_steps=0)
+    hits = []
+    for _ in want:
+        hits.append(harness.probe(tokens)["hit"])
+        harness.serve(tokens, decode_steps=0)
+    assert tuple(hits) == want, f"{path.stem}: enforce {hits}, reference {want}, {record['repeat_hits']}"

@@ -650,6 +650,7 @@ class VllmHarness:
         partial = need_split and h < S and coordinator.enable_partial_hash_hits
         return types.SimpleNamespace(
             cache_config=self.cache_config,
+            kv_cache_manager=self.manager,
             block_size=S,
             hash_block_size=h,
             use_eagle_block_drop=self.use_eagle,
