@@ -20,12 +20,7 @@ from kvhit.adapters.vllm import v0_33
 from kvhit.proofs.model import cache_from_runs
 from tests.adapter.layouts import harness_layout, unsound_blocks
 from tests.conformance.vllm_harness import VllmHarness
-from tests.regressions.test_counterexamples import VECTORS as ALL_VECTORS
-from tests.regressions.test_counterexamples import _config
-
-# The read side's vectors carry a cache state to seed the pool with; the write side's (``repeat_hits``)
-# carry a prompt whose cache the write side builds, which the adapter's write-side tests serve instead.
-VECTORS = [p for p in ALL_VECTORS if "repeat_hits" not in json.loads(p.read_text())]
+from tests.regressions.test_counterexamples import VECTORS, _config
 
 
 def _refimpl(config):
