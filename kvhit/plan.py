@@ -385,7 +385,10 @@ def plot(settings, workload, path, by):
     cached with the dense cache) for ``settings`` under policy ``by``,
     and below it the tokens each setting recomputes (``N - hit``: the sawtooth that alignment and the eagle
     drop make), with the workload's prompt lengths marked and its requests' hits as dots."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SystemExit("kvhit plan --plot needs matplotlib: pip install 'kvhit[tools]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
