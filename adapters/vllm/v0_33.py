@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import json
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -629,13 +631,55 @@ def get_kv_cache_coordinator(*args, **kwargs) -> KVCacheCoordinator:
     except Unmodelled as e:
         _models[coordinator] = None
         log_once(logging.WARNING, "kvhit: KV-cache layout not modelled by the spec, left to vLLM: %s", e)
+        write_status(None, str(e))
         return coordinator
     _models[coordinator] = model
     sizes = model.sizes
     log_once(logging.INFO, "kvhit: layout %s (S=%d, h=%d, A=%d) is modelled; mode %s; write side: %s",
              model.label, sizes.scheduler_block, sizes.hash_block, sizes.alignment, _mode,
              "reference" if model.write is not None else f"vLLM's ({model.write_note})")
+    write_status(model)
     return coordinator
+
+
+STATUS_FILE_ENV = "KVHIT_STATUS_FILE"
+
+
+def write_status(model: CoordinatorModel | None, unmodelled: str | None = None) -> None:
+    """Write the scheduler's layout as kvhit saw it to the JSON file ``KVHIT_STATUS_FILE`` names, if set.
+
+    For tools outside the engine-core process (the end-to-end test predicts hits from it). The layout and
+    speculation are the arguments of ``refimpl.Layout`` / ``refimpl.Speculation``; ``unmodelled`` is the
+    reason a layout is left to vLLM. Written atomically; never raises.
+    """
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return
+    status: dict = {"pid": os.getpid(), "vllm": VLLM_VERSION, "mode": _mode, "modelled": model is not None}
+    if model is None:
+        status["unmodelled"] = unmodelled
+    else:
+        groups = []
+        for g in model.layout.groups:
+            group = dataclasses.asdict(g)
+            group["kind"] = g.kind.value
+            groups.append(group)
+        status.update(
+            label=model.label,
+            layout={"groups": groups, "dcp": model.layout.dcp,
+                    "prefix_match_unit": model.layout.prefix_match_unit},
+            speculation={"mode": model.speculation.mode.value,
+                         "num_speculative_tokens": model.speculation.num_speculative_tokens,
+                         "multi_module_mtp": model.speculation.multi_module_mtp},
+            sizes={"scheduler_block": model.sizes.scheduler_block, "hash_block": model.sizes.hash_block,
+                   "alignment": model.sizes.alignment})
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(status, f, indent=1)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError) as e:  # a status file must not take the scheduler down
+        log_once(logging.ERROR, "kvhit: cannot write %s=%s: %s", STATUS_FILE_ENV, path, e)
 
 
 def _find_longest_cache_hit(original: Callable, coordinator: KVCacheCoordinator, block_hashes: Sequence,

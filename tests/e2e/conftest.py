@@ -1,0 +1,93 @@
+"""End-to-end fixtures: tiny models built once, one `vllm serve` run per (speculative mode, KVHIT_MODE).
+The shadow server runs with PROMETHEUS_MULTIPROC_DIR so that /metrics shows kvhit's counters.
+
+Runs only in the end-to-end venv (`make e2e`, which passes --confcutdir so the parent conftest, and its
+hypothesis import, are not loaded). Server logs and kvhit's status files go to KVHIT_E2E_OUT (default
+out/e2e/ in the repository); they are removed when every test passed and kept otherwise. OUT/results.json
+keeps what every server reported (cached_tokens, generated text, kvhit's status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import make_models  # noqa: E402
+import server  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUT = os.environ.get("KVHIT_E2E_OUT", os.path.join(ROOT, "out", "e2e"))
+HEALTH_TIMEOUT_S = float(os.environ.get("KVHIT_E2E_HEALTH_TIMEOUT", "600"))
+
+_runs: dict[tuple[str, str], server.Run] = {}
+
+
+@pytest.fixture(scope="session")
+def models() -> str:
+    path = os.path.join(OUT, "models")
+    make_models.make_target(os.path.join(path, "target"))
+    make_models.make_draft(os.path.join(path, "draft"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def serve(models):
+    """``serve(spec_mode, kvhit_mode)``: the (cached) run of one server."""
+
+    def run(spec_mode: str, kvhit_mode: str) -> server.Run:
+        key = (spec_mode, kvhit_mode)
+        if key not in _runs:
+            print(f"\n[e2e] vllm serve: {spec_mode}, KVHIT_MODE={kvhit_mode}", flush=True)
+            extra_env = {}
+            if kvhit_mode == "shadow":
+                # kvhit's counters live in the engine-core process; vLLM's /metrics serves them only in
+                # prometheus_client's multiprocess mode, with a fresh directory.
+                extra_env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="prometheus-", dir=OUT)
+            result = server.serve_and_query(models, spec_mode, kvhit_mode, server.LENGTHS, OUT, HEALTH_TIMEOUT_S,
+                                            extra_env)
+            print(f"[e2e] healthy after {result.start_s:.1f} s; error: {result.error}", flush=True)
+            _runs[key] = result
+        result = _runs[key]
+        if result.error is not None:
+            pytest.fail(f"vllm serve ({spec_mode}, KVHIT_MODE={kvhit_mode}) failed: {result.error}; "
+                        f"server log: {result.log_path}")
+        return result
+
+    return run
+
+
+def pytest_configure(config):
+    os.makedirs(OUT, exist_ok=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Print and save (OUT/results.json) what every server reported; drop logs if every test passed."""
+    results = []
+    for (spec_mode, kvhit_mode), run in sorted(_runs.items()):
+        cached = {n: (run.first[n].cached_tokens, run.repeat[n].cached_tokens) for n in run.repeat}
+        print(f"\n[e2e] {spec_mode:<9} KVHIT_MODE={kvhit_mode:<7} healthy after {run.start_s:5.1f} s; "
+              f"cached_tokens (first, repeat) per prompt length: {cached}")
+        results.append({"spec_mode": spec_mode, "kvhit_mode": kvhit_mode, "start_s": round(run.start_s, 1),
+                        "error": run.error, "status": run.status(),
+                        "replies": {n: {"first": vars(run.first[n]), "repeat": vars(run.repeat[n])}
+                                    for n in run.repeat}})
+    with open(os.path.join(OUT, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    shutil.rmtree(os.path.join(OUT, "models"), ignore_errors=True)
+    if exitstatus == 0:
+        for run in _runs.values():
+            for path in (run.log_path, run.status_path):
+                if os.path.exists(path):
+                    os.remove(path)
+        for name in os.listdir(OUT):
+            if name.startswith("prometheus-"):
+                shutil.rmtree(os.path.join(OUT, name), ignore_errors=True)
+    else:
+        print(f"\n[e2e] server logs and kvhit status files kept in {OUT}")
