@@ -133,8 +133,8 @@ def test_w2_repro_sibling_loses_a_block_under_sparse_retention_exactly_as_vllm_0
         predicted = {}
         for name, rules in (("vllm", VLLM), ("reference", REFERENCE)):
             cache = written_cache(request_writes(sizes, n, retention, rules))
-            predicted[name] = (hit_tokens(cache, sizes, longer, rules)[0], repeat_hits(sizes, n, retention, rules, 1)[0],
-                               int(cache.has(swa, n)))
+            predicted[name] = (hit_tokens(cache, sizes, longer, rules)[0],
+                               repeat_hits(sizes, n, retention, rules, 1)[0], int(cache.has(swa, n)))
         vllm = (int(row["sibling_hit"]), int(row["resend_hit"]), int(row["swa_block_ending_at_N_cached"]))
         assert vllm == predicted["vllm"], row
         sibling[retention] = (vllm[0], predicted["reference"][0])
