@@ -16,7 +16,7 @@ Compared, explicitly:
   ``shared_prefix_boundary`` equals the junction the model records (``junction_of``);
 * **sibling hits**: a longer prompt extending the ``N`` tokens, looked up on the cache the requests so far
   left (the model's: ``request_writes`` merged with each resend's writes, as ``repeat`` does), hits what
-  ``hit_tokens`` says on that cache;
+  ``hit_tokens`` says on that cache, with the same ``shared_prefix_boundary``;
 * **crashes**: vLLM raises ``IndexError`` in a lookup exactly where the model reads past the hashes (F1).
 
 A mismatch raises :class:`~.differential.Mismatch` with the layout, the stream and both outputs.
@@ -235,8 +235,11 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
             out = lookup(f"sibling +{extra}", prompt, cache, serve=False)
             if out is None:
                 return history
-            if out["hit"] != out["model_hit"]:
-                fail(f"sibling of {n + extra} tokens differs", f"hit {out['hit']}", f"hit {out['model_hit']}")
+            # vLLM's shared_prefix_boundary is the longest candidate when it is past the hit, else 0.
+            spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
+            if (out["hit"], out["spb"]) != (out["model_hit"], spb):
+                fail(f"sibling of {n + extra} tokens differs", f"hit {out['hit']}, shared_prefix_boundary "
+                     f"{out['spb']}", f"hit {out['model_hit']}, longest {out['model_longest']}")
             stats.siblings += 1
         stats.positive += out["hit"] > 0
     return history
