@@ -10,6 +10,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # tests/conformance/test_hit_tokens_matches_vllm.py). Hypothesis runs a few percent fewer than it is asked
 # for (a request for 50,000 ran 49,287), so the long run asks for 52,000 to run at least 50,000.
 CONFORMANCE_LONG_SCENARIOS ?= 52000
+# Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
+CONFORMANCE_LONG_WRITE_SCENARIOS ?= 20000
 
 .PHONY: prove test setup gen check-gen venv conformance conformance-long bench e2e clean
 
@@ -55,7 +57,8 @@ conformance: setup
 	$(PY) -m pytest -q tests/conformance
 
 conformance-long: setup
-	KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) $(PY) -m pytest -q tests/conformance
+	KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) \
+	KVHIT_WRITE_SCENARIOS=$(CONFORMANCE_LONG_WRITE_SCENARIOS) $(PY) -m pytest -q tests/conformance
 
 bench: setup
 	$(PY) -m tests.adapter.bench_enforce

@@ -1,9 +1,31 @@
 """Conformance session summary: scenarios run, lookups compared, throughput and coverage."""
 
 from .differential import STATS
+from .write_side import WRITE_STATS
 
 
 def pytest_terminal_summary(terminalreporter):
+    _read_side(terminalreporter)
+    _write_side(terminalreporter)
+
+
+def _write_side(terminalreporter):
+    s = WRITE_STATS
+    if s.scenarios == 0:
+        return
+    w = terminalreporter.write_line
+    terminalreporter.section("vLLM 0.33.0 write-side conformance")
+    w(f"scenarios {s.scenarios}: retained boundaries compared for {s.retained_groups} KV-cache groups, "
+      f"{s.resends} resends, {s.siblings} sibling lookups (hit > 0: {s.positive}); IndexError predicted and "
+      f"raised: {s.crashes_predicted}; scheduler stalls (docs/findings.md, Leads): {s.stalls}")
+    w(f"resends hitting less than with every state retained (dense): {s.below_dense}")
+    w(f"throughput {s.scenarios / s.seconds if s.seconds else 0.0:.1f} scenarios/s ({s.seconds:.1f} s)")
+    w(f"by layout: {dict(sorted(s.by_layout.items()))}")
+    w(f"by speculation: {dict(sorted(s.by_mode.items()))}")
+    w(f"by retention: {dict(sorted(s.by_retention.items()))}; by DCP: {dict(sorted(s.by_dcp.items()))}")
+
+
+def _read_side(terminalreporter):
     if STATS.scenarios == 0 and STATS.rejected_by_both == 0:
         return
     rate = STATS.scenarios / STATS.seconds if STATS.seconds else 0.0

@@ -114,3 +114,33 @@ def random_layouts(draw):
         return Layout(tuple(groups), dcp=dcp, prefix_match_unit=pmu, name="random")
     except ValueError:
         return Layout(tuple(groups), prefix_match_unit=pmu, name="random")
+
+
+@st.composite
+def write_scenarios(draw, layout: Layout, speculations=SPECULATIONS):
+    """A write-side scenario over ``layout`` (:class:`.write_side.WriteScenario`): a first request of a
+    length drawn around the policy's sizes, then one to four resends and longer siblings (one token longer,
+    a few tokens, a block or two, or a far sibling). Only settings whose write side the spec models."""
+    from hypothesis import assume
+
+    from .write_side import WriteScenario, in_scope
+
+    speculation = draw(st.sampled_from(speculations))
+    try:
+        units, sizes = _units(layout, speculation)
+    except ValueError:
+        assume(False)
+    retention = draw(retention_intervals(layout, sizes))
+    assume(in_scope(layout, speculation, retention))
+    top = max_prompt(layout, speculation)
+    n = draw(lengths(units, top))
+    S = sizes.scheduler_block
+    ops = []
+    for _ in range(draw(st.integers(1, 4))):
+        if draw(st.booleans()):
+            ops.append(("resend",))
+        else:
+            unit = draw(st.sampled_from(units))
+            extra = draw(st.sampled_from([1, 2, 3, unit, unit + 1, S, 2 * S + sizes.hash_lookahead + 1]))
+            ops.append(("sibling", extra))
+    return WriteScenario(layout, speculation, retention, n, tuple(ops), seed=draw(st.integers(0, 2**32 - 1)))

@@ -10,6 +10,7 @@ from kvhit.spec.catalogue import CATALOGUE
 
 from .differential import Mismatch, Op, Scenario, Stats, run_scenario, to_refimpl
 from .strategies import scenarios
+from .write_side import WriteScenario, WriteStats, run_write_scenario
 
 FULL16 = to_refimpl(CATALOGUE["full16"])
 SWA16 = Layout(({"kind": "swa", "block_size": 16, "window": 64},), name="swa16w64")
@@ -54,3 +55,36 @@ def test_other_policies_are_caught_on_catalogue_streams(policy):
 
     run()
     assert caught, f"no scenario told {policy} apart from vLLM 0.33.0"
+
+
+# The write-side comparison is not vacuous either.
+
+GEMMA = to_refimpl(CATALOGUE["gemma"])
+QWEN3NEXT = to_refimpl(CATALOGUE["qwen3next"])
+
+
+def test_write_side_comparison_catches_reference_on_w2():
+    """W2: the reference keeps the window ending at 704 for the sibling; vLLM keeps it only up to 640."""
+    scenario = WriteScenario(GEMMA, Speculation("none"), 0, 704, (("sibling", 96),))
+    assert run_write_scenario(scenario, WriteStats()) == [("first", 704, 0), ("sibling +96", 800, 640)]
+    with pytest.raises(Mismatch, match=r"retained boundaries of KV-cache group 1 \(spec group 1, swa 32\)"
+                                       r"(.|\n)*vLLM 0.33.0: 160..640\n  model \[reference\]: 160..704"):
+        run_write_scenario(scenario, WriteStats(), policy_rules("reference"))
+
+
+def test_write_side_comparison_catches_reference_on_w1():
+    """W1: vLLM keeps the Mamba state at 6400 where its own first resend cannot use it; the reference
+    keeps it at 4800, where that resend resumes."""
+    scenario = WriteScenario(QWEN3NEXT, Speculation("drop", 2, True), 0, 8000, (("resend",), ("resend",)))
+    assert [hit for _, _, hit in run_write_scenario(scenario, WriteStats())] == [0, 0, 4800]
+    with pytest.raises(Mismatch, match=r"KV-cache group 1 \(spec group 1, mamba 1600\)(.|\n)*"
+                                       r"vLLM 0.33.0: 6400\n  model \[reference\]: 4800"):
+        run_write_scenario(scenario, WriteStats(), policy_rules("reference"))
+
+
+def test_write_side_comparison_catches_a_mask_that_keeps_every_boundary():
+    """``retain_every_boundary`` (retention 0 acts as dense) predicts sliding-window blocks vLLM drops."""
+    scenario = WriteScenario(GEMMA, Speculation("none"), 0, 704, ())
+    run_write_scenario(scenario, WriteStats())
+    with pytest.raises(Mismatch, match=r"retained boundaries of KV-cache group 1 \(spec group 1, swa 32\)"):
+        run_write_scenario(scenario, WriteStats(), policy_rules("retain_every_boundary"))

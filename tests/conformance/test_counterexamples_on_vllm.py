@@ -17,11 +17,12 @@ from kvhit.refimpl.policy import num_hashes
 from .differential import VLLM_0_33, cache_state, harness_mode, seed_cache, to_harness, to_refimpl
 from .vllm_harness import VllmHarness
 
-# Read-side vectors carry the cache state Z3 found; write-side ones (``repeat_hits``) carry a prompt whose
-# cache the write side builds, and are replayed on vLLM by the W findings' reproductions instead.
-VECTORS = sorted(p for p in (Path(__file__).resolve().parents[1] / "vectors" / "hit_tokens").glob("*.json")
-                 if json.loads(p.read_text())["policy"] in ("vllm_0_33", "historical")
-                 and "repeat_hits" not in json.loads(p.read_text()))
+_ALL = sorted(p for p in (Path(__file__).resolve().parents[1] / "vectors" / "hit_tokens").glob("*.json")
+              if json.loads(p.read_text())["policy"] in ("vllm_0_33", "historical"))
+# Read-side vectors record a cache state and the hits on it; write-side vectors (the request runs on an
+# empty cache) record the repeat hits instead and are replayed by test_write_counterexample_replays_on_vllm.
+VECTORS = [p for p in _ALL if "hits" in json.loads(p.read_text())]
+WRITE_VECTORS = [p for p in _ALL if "repeat_hits" in json.loads(p.read_text())]
 # Invariants refuted by F1 (reads past the hashes): vLLM raises IndexError on these vectors.
 F1_INVARIANTS = {"hit_is_aligned_and_capped", "lookup_stays_within_hashes", "hit_is_valid_in_every_group"}
 
@@ -80,3 +81,25 @@ def test_counterexample_replays_on_vllm(path):
             assert got != record["hits"]["historical"]
         if record["policy"] == "vllm_0_33":
             assert got < record["hits"]["reference"], "the finding is a loss against the reference policy"
+
+
+def test_every_vector_is_replayed_on_one_side():
+    assert set(VECTORS) | set(WRITE_VECTORS) == set(_ALL) and WRITE_VECTORS
+
+
+@pytest.mark.parametrize("path", WRITE_VECTORS, ids=[p.stem for p in WRITE_VECTORS])
+def test_write_counterexample_replays_on_vllm(path):
+    """The prompt runs on an empty cache and is resent three times through vLLM's real classes (the
+    write-side suite's comparison under ``vllm_0_33``: retained boundaries, hits, junctions): the resends'
+    hits are the ``vllm_0_33`` repeat hits the vector records."""
+    from .write_side import WriteScenario, WriteStats, run_write_scenario
+
+    record = json.loads(path.read_text())
+    config = _config(record)
+    layout = to_refimpl(config.layout)
+    spec = config.speculation
+    speculation = Speculation(spec.mode.value, spec.num_speculative_tokens, spec.multi_module_mtp)
+    scenario = WriteScenario(layout, speculation, record["retention"], record["N"], (("resend",),) * 3)
+    history = run_write_scenario(scenario, WriteStats())
+    got = [hit for _, _, hit in history[1:]]
+    assert got == record["repeat_hits"]["vllm_0_33"], (got, record["repeat_hits"])

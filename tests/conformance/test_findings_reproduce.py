@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvhit.refimpl import CacheState, Group, Layout, Speculation, derive_sizes, hit_tokens, policy_rules
+from kvhit.refimpl import (CacheState, Group, Layout, Speculation, derive_sizes, hit_tokens, policy_rules,
+                           repeat_hits, request_writes, written_cache)
 from kvhit.refimpl.policy import num_hashes
 
 REPRO = Path(__file__).resolve().parents[2] / "docs" / "repro"
@@ -84,3 +85,71 @@ def test_f2_repro_loses_one_block_on_the_unitary_drop_exactly_as_vllm_0_33_predi
     # One block lost by the Unitary coordinator when the block divides N, none by the Hybrid one.
     assert lost == {("unitary", 32): 16, ("unitary", 1024): 16, ("unitary", 1000): 0,
                     ("hybrid", 32): 0, ("hybrid", 1024): 0, ("hybrid", 1000): 0}
+
+
+# ----------------------------------------------------------------------------------------------------
+# W1-W3: the write side (what a request leaves cached), served through the scheduler's own chunk clipping.
+# ----------------------------------------------------------------------------------------------------
+
+QWEN3NEXT = Layout((Group("full", 1600), Group("mamba", 1600)), name="qwen3next")
+GEMMA = Layout((Group("full", 64), Group("swa", 32, window=512)), name="gemma")
+
+
+def _retention(case):
+    value = case.rsplit("_", 1)[1]
+    return None if value == "None" else int(value)
+
+
+def _served(layout, speculation, n, retention, rules, resends=3):
+    """The first request's hit on an empty cache, then the resends' hits, as the write side predicts."""
+    sizes = derive_sizes(layout, speculation)
+    return [0, *repeat_hits(sizes, n, retention, rules, resends)]
+
+
+def test_w1_repro_first_resend_misses_under_mtp_drop_exactly_as_vllm_0_33_predicts():
+    rows = _run("w1_qwen3next_mtp_drop_first_repeat.py")
+    seen = {}
+    for row in rows:
+        mode, retention, n = row["case"].split("_")[0], _retention(row["case"]), int(row["N"])
+        speculation = Speculation("drop", 2, True) if mode == "drop" else Speculation("none")
+        vllm_hits = [int(row["first"]), *map(int, row["resends"].split(","))]
+        assert vllm_hits == _served(QWEN3NEXT, speculation, n, retention, VLLM), row
+        seen[row["case"]] = (vllm_hits, _served(QWEN3NEXT, speculation, n, retention, REFERENCE))
+    # With MTP 2 in drop mode the first resend recomputes the whole prompt; the reference hits 4800 from
+    # the first resend on (dense and sparse alike); without speculation vLLM hits at once.
+    assert seen["drop_retention_0"] == ([0, 0, 4800, 4800], [0, 4800, 4800, 4800])
+    assert seen["drop_retention_None"][0] == [0, 0, 4800, 4800]
+    assert seen["none_retention_0"][0][1] > 0
+
+
+def test_w2_repro_sibling_loses_a_block_under_sparse_retention_exactly_as_vllm_0_33_predicts():
+    rows = _run("w2_gemma_sibling_loses_block.py")
+    none = Speculation("none")
+    sizes = derive_sizes(GEMMA, none)
+    swa = [k for k, sg in enumerate(sizes.groups) if sg.kind.value == "swa"][0]
+    sibling = {}
+    for row in rows:
+        retention, n, longer = _retention(row["case"]), int(row["N"]), int(row["sibling"])
+        predicted = {}
+        for name, rules in (("vllm", VLLM), ("reference", REFERENCE)):
+            cache = written_cache(request_writes(sizes, n, retention, rules))
+            predicted[name] = (hit_tokens(cache, sizes, longer, rules)[0],
+                               repeat_hits(sizes, n, retention, rules, 1)[0], int(cache.has(swa, n)))
+        vllm = (int(row["sibling_hit"]), int(row["resend_hit"]), int(row["swa_block_ending_at_N_cached"]))
+        assert vllm == predicted["vllm"], row
+        sibling[retention] = (vllm[0], predicted["reference"][0])
+    # R = 0: the sibling of 800 tokens hits 640 where the reference (and vLLM with dense retention) hits 704.
+    assert sibling == {0: (640, 704), None: (704, 704)}
+
+
+def test_w3_repro_first_resend_misses_under_lookahead_hashes_exactly_as_vllm_0_33_predicts():
+    rows = _run("w3_gemma_lookahead_first_repeat.py")
+    mtp2 = Speculation("lookahead", 2, True)
+    seen = {}
+    for row in rows:
+        retention, n = _retention(row["case"]), int(row["N"])
+        vllm_hits = [int(row["first"]), *map(int, row["resends"].split(","))]
+        assert vllm_hits == _served(GEMMA, mtp2, n, retention, VLLM), row
+        seen[retention] = (vllm_hits, _served(GEMMA, mtp2, n, retention, REFERENCE))
+    assert seen[0] == ([0, 0, 512, 512], [0, 512, 512, 512])
+    assert seen[None][0] == [0, 512, 512, 512]

@@ -1,0 +1,65 @@
+"""Differential tests of the write side: what a request leaves in vLLM 0.33.0's cache (retained block
+boundaries after the first request), the hits of its resends, and the hits of longer siblings, equal the
+``vllm_0_33`` policy's write side (``refimpl.request_writes`` / ``written_cache`` / ``repeat_hits``) over
+every catalogue layout with a modelled write side (DCP 1, 2 and 4 where vLLM supports it), every
+speculative mode and retention interval, and random layouts (see :mod:`.write_side` for what is compared).
+
+The number of scenarios is ``KVHIT_WRITE_SCENARIOS`` (default 2,000; ``make conformance-long`` runs 20,000),
+split over the cases below in proportion to their weights.
+"""
+
+import os
+import time
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from kvhit.spec.catalogue import CATALOGUE
+
+from .differential import to_refimpl
+from .strategies import SPECULATIONS, random_layouts, write_scenarios
+from .test_hit_tokens_matches_vllm import CATALOGUE_DCP, HEAVY, MODES, VLLM_VERSION
+from .write_side import WRITE_STATS, run_write_scenario
+
+SCENARIOS = int(os.environ.get("KVHIT_WRITE_SCENARIOS", "2000"))
+
+# chunked64 is outside the write side (the spec's check_retention refuses it: vLLM never caches a chunked
+# local group's blocks before the current chunk).
+NOT_MODELLED = {"chunked64"}
+CASES = [(name, dcp, mode) for name in sorted(CATALOGUE) if name not in NOT_MODELLED
+         for dcp in CATALOGUE_DCP.get(name, (1,)) for mode in MODES]
+RANDOM_SHARE = 0.3
+_weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
+PER_CASE = {case: max(1, round(SCENARIOS * (1 - RANDOM_SHARE) * w / sum(_weights)))
+            for case, w in zip(CASES, _weights)}
+RANDOM_EXAMPLES = max(1, SCENARIOS - sum(PER_CASE.values()))
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                      HealthCheck.filter_too_much])
+
+
+def _timed(scenario):
+    start = time.perf_counter()
+    try:
+        run_write_scenario(scenario)
+    finally:
+        WRITE_STATS.seconds += time.perf_counter() - start
+
+
+@pytest.mark.parametrize("name, dcp, mode", CASES, ids=[f"{VLLM_VERSION}-{n}-dcp{d}-{m}" for n, d, m in CASES])
+def test_write_side_matches_vllm(name, dcp, mode):
+    layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
+    specs = [s for s in SPECULATIONS if s.mode.value == mode]
+
+    @settings(max_examples=PER_CASE[(name, dcp, mode)], **SETTINGS)
+    @given(scenario=write_scenarios(layout, specs))
+    def run(scenario):
+        _timed(scenario)
+
+    run()
+
+
+@settings(max_examples=RANDOM_EXAMPLES, **SETTINGS)
+@given(scenario=random_layouts().flatmap(write_scenarios))
+def test_write_side_matches_vllm_on_random_layouts(scenario):
+    _timed(scenario)

@@ -1,0 +1,245 @@
+"""Differential comparison of the ``vllm_0_33`` write side with vLLM 0.33.0's own classes.
+
+A *write scenario* is a layout, a speculative setting, a retention interval, a prompt of ``N`` tokens served
+once on an empty cache, then a stream of resends of the same prompt (served) and longer siblings (looked up
+only). It runs in the setting the write side models (``spec/retention.py``): one request at a time, a token
+budget that never cuts a chunk (``max_num_batched_tokens`` 10**6), each request samples one token and ends
+(``decode_steps=0``), and a pool large enough that nothing is evicted.
+
+Compared, explicitly:
+
+* **retained** (after the first request): per KV-cache group, the block boundaries ``x <= N - L`` whose hash
+  vLLM's ``BlockPool`` holds (:meth:`VllmHarness.retained`) equal those the member's spec group holds in
+  ``refimpl.written_cache(refimpl.request_writes(sizes, N, R, rules))``. Later boundaries are not compared:
+  their hashes cover tokens past the prompt.
+* **resend hits**: the i-th resend's hit equals ``refimpl.repeat_hits(sizes, N, R, rules, i)[-1]``, and its
+  ``shared_prefix_boundary`` equals the junction the model records (``junction_of``);
+* **sibling hits**: a longer prompt extending the ``N`` tokens, looked up on the cache the requests so far
+  left (the model's: ``request_writes`` merged with each resend's writes, as ``repeat`` does), hits what
+  ``hit_tokens`` says on that cache, with the same ``shared_prefix_boundary``;
+* **crashes**: vLLM raises ``IndexError`` in a lookup exactly where the model reads past the hashes (F1).
+
+A mismatch raises :class:`~.differential.Mismatch` with the layout, the stream and both outputs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvhit.refimpl import (
+    Layout,
+    Speculation,
+    dense_groups,
+    derive_sizes,
+    hit_tokens,
+    repeat_hits,
+    request_writes,
+    written_cache,
+)
+from kvhit.refimpl.policy import NO_JUNCTION, CacheState, Kind, check_retention, mamba_chunk_ends, num_hashes, repeat
+
+from .differential import VLLM_0_33, Mismatch, check_sizes, describe_layout, harness_mode, runs, to_harness
+from .vllm_harness import SchedulingStalled, VllmHarness
+
+NO_BUDGET = 10**6
+"""``max_num_batched_tokens``: the write side assumes the token budget never cuts a chunk."""
+
+
+@dataclass(frozen=True)
+class WriteScenario:
+    """A first request of ``n`` tokens on an empty cache, then ``ops``: ``("resend",)`` serves the same
+    prompt again; ``("sibling", extra)`` looks up the prompt extended by ``extra`` fresh tokens."""
+
+    layout: Layout
+    speculation: Speculation
+    retention: int | None
+    n: int
+    ops: tuple
+    seed: int = 0
+
+    def describe(self) -> str:
+        stream = "; ".join(["serve(new %d)" % self.n] + [
+            "serve(resend)" if op[0] == "resend" else f"probe(sibling +{op[1]})" for op in self.ops])
+        return (f"{describe_layout(self.layout)} {self.speculation.describe()} "
+                f"(k={self.speculation.num_speculative_tokens}) retention={self.retention}\n"
+                f"  stream: {stream}")
+
+
+@dataclass
+class WriteStats:
+    """What the write-side runs covered, for the session summary."""
+
+    scenarios: int = 0
+    retained_groups: int = 0
+    resends: int = 0
+    siblings: int = 0
+    positive: int = 0
+    crashes_predicted: int = 0
+    stalls: int = 0
+    below_dense: int = 0
+    """Resends whose hit is below what the same prompt would hit with every state retained (dense)."""
+    seconds: float = 0.0
+    by_layout: Counter = field(default_factory=Counter)
+    by_mode: Counter = field(default_factory=Counter)
+    by_retention: Counter = field(default_factory=Counter)
+    by_dcp: Counter = field(default_factory=Counter)
+
+
+WRITE_STATS = WriteStats()
+
+
+def in_scope(layout: Layout, speculation: Speculation, retention) -> bool:
+    """The spec accepts the layout and models its write side with this retention interval (chunked local
+    attention is outside the write side, ``check_retention``)."""
+    try:
+        check_retention(derive_sizes(layout, speculation), retention)
+    except ValueError:
+        return False
+    return True
+
+
+def build_write_harness(scenario: WriteScenario, sizes) -> VllmHarness:
+    longest = scenario.n + max([op[1] for op in scenario.ops if op[0] == "sibling"], default=0)
+    longest += 4 + scenario.speculation.num_speculative_tokens
+    S = sizes.scheduler_block
+    max_model_len = (longest // S + 2) * S
+    # Room for every request of the stream without evicting a block (the model assumes no eviction).
+    per_request = sum(-(-max_model_len // b) for b in sizes.effective_blocks)
+    mode, k, multi = harness_mode(scenario.speculation)
+    try:
+        return VllmHarness(to_harness(scenario.layout), mode, num_speculative_tokens=k, multi_module_mtp=multi,
+                           retention_interval=scenario.retention, num_gpu_blocks=2 * per_request + 64,
+                           max_model_len=max_model_len, max_num_batched_tokens=NO_BUDGET)
+    except ValueError as e:
+        raise Mismatch(f"vLLM rejects a configuration whose write side the spec models: {e}\n"
+                       f"{scenario.describe()}") from e
+
+
+def model_retained(sizes, cache: CacheState, k: int, n: int) -> list[int]:
+    """The boundaries ``x <= N - L`` (multiples of ``h``) spec group ``k`` holds in the model's cache."""
+    h = sizes.hash_block
+    return [x for x in range(h, n - sizes.hash_lookahead + 1, h) if cache.has(k, x)]
+
+
+def stall_predicted(sizes, n, start, junction, rules) -> bool:
+    """Whether the scheduler's own chunk clipping leaves this prefill stuck at 0 tokens: a Mamba chunk
+    must end at a stop ``e`` (the model's ``mamba_chunk_ends``) with ``0 < N - e < Lp``, and
+    ``_reserve_prefill_lookahead`` keeps ``Lp`` tokens from the end, so the chunk to ``e`` is cut short and
+    the one after it is cut to 0 (docs/findings.md, "Leads"). The write side assumes every request
+    completes, so such a scenario ends there."""
+    lp = sizes.prefill_lookahead
+    if lp < 2 or not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
+        return False
+    # mamba_chunk_ends lists the scheduler's mandatory stops first: the prompt checkpoint, the partial-hit
+    # tail (with partial hits) and the junction (m of them), then the config-block ends after the start and
+    # after each of those stops (m more); the rest are Mamba-block ends where states land, not chunk stops.
+    m = 3 if sizes.partial_hits else 2
+    stops = mamba_chunk_ends(sizes, n, sizes.config_block, start, junction, rules)[:2 * m]
+    return any(start < e < n and n - e < lp for e in stops)
+
+
+def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=VLLM_0_33) -> list:
+    """Run a write scenario on vLLM and compare. Returns ``[(what, N, vllm_outcome), ...]``."""
+    sizes = derive_sizes(scenario.layout, scenario.speculation)
+    harness = build_write_harness(scenario, sizes)
+    check_sizes(scenario, sizes, harness)
+    n, R, L, h = scenario.n, scenario.retention, sizes.hash_lookahead, sizes.hash_block
+    stats.scenarios += 1
+    stats.by_layout[scenario.layout.name or "random"] += 1
+    stats.by_mode[scenario.speculation.describe()] += 1
+    stats.by_retention["None" if R is None else "0" if R == 0 else "positive"] += 1
+    stats.by_dcp[scenario.layout.dcp] += 1
+    dense = hit_tokens(written_cache(dense_groups(sizes, n)), sizes, n, rules)[0]
+    rng = random.Random(scenario.seed)
+    tokens = [rng.randrange(1, 50_000) for _ in range(n)]
+    history: list = []
+
+    def fail(what, vllm, model, extra=""):
+        raise Mismatch(f"{what}\n{scenario.describe()}\n  S/h/A/L = {sizes.scheduler_block}/{h}/"
+                       f"{sizes.alignment}/{L}\n  requests so far: {history}\n{extra}"
+                       f"  vLLM 0.33.0: {vllm}\n  model [{rules.name}]: {model}")
+
+    def lookup(label, prompt, cache, serve):
+        """One lookup of ``prompt`` (served or probed) against the model's ``cache``; returns the vLLM
+        outcome dict, or None when the scenario ends (a predicted crash or a predicted stall)."""
+        hit, reach, longest, _ = hit_tokens(cache, sizes, len(prompt), rules)
+        crash = reach > num_hashes(sizes, len(prompt)) * h
+        junction = longest if longest > hit else NO_JUNCTION
+        stall = serve and stall_predicted(sizes, len(prompt), hit, junction, rules)
+        try:
+            out = harness.serve(prompt, decode_steps=0) if serve else harness.probe(prompt)
+        except IndexError as e:
+            if not crash:
+                fail(f"{label}: vLLM raised IndexError but the model reads within the hashes", repr(e),
+                     f"hit {hit}, reach {reach}")
+            stats.crashes_predicted += 1
+            history.append((label, len(prompt), "IndexError"))
+            return None
+        except (SchedulingStalled, RuntimeError) as e:
+            # A prefill clipped to 0 tokens by the scheduler's own Mamba split and lookahead reservation
+            # (docs/findings.md, "Leads"): the request never completes, so nothing is written to compare.
+            if not stall or "0 tokens" not in str(e):
+                fail(f"{label}: the scheduler stalled where the model predicts no stall", repr(e),
+                     f"hit {hit}, junction {junction}")
+            stats.stalls += 1
+            history.append((label, len(prompt), "stall"))
+            return None
+        if stall:
+            fail(f"{label}: the model predicts a scheduler stall but vLLM completed the request", out,
+                 f"hit {hit}, junction {junction}")
+        if crash:
+            fail(f"{label}: the model reads past the hashes (F1) but vLLM did not raise", out,
+                 f"reach {reach} > |H|*h {num_hashes(sizes, len(prompt)) * h}")
+        history.append((label, len(prompt), out["hit"]))
+        return out | {"model_hit": hit, "model_longest": longest}
+
+    # The first request on an empty cache.
+    empty = CacheState(lambda k, x: False)
+    if lookup("first", tokens, empty, serve=True) is None:
+        return history
+    groups = request_writes(sizes, n, R, rules)
+    cache = written_cache(groups)
+    got = harness.retained(tokens)
+    for k, sg in enumerate(sizes.groups):
+        want = model_retained(sizes, cache, k, n)
+        for m in sg.members:
+            have = [x for x in got[m] if x <= n - L]
+            if have != want:
+                fail(f"retained boundaries of KV-cache group {m} (spec group {k}, {sg.kind.value} {sg.block}) "
+                     f"differ after the first request", runs(have, h), runs(want, h),
+                     f"  written (model): {groups[k]}\n")
+            stats.retained_groups += 1
+
+    resends = 0
+    for op in scenario.ops:
+        if op[0] == "resend":
+            resends += 1
+            out = lookup(f"resend {resends}", tokens, cache, serve=True)
+            if out is None:
+                return history
+            expected = repeat_hits(sizes, n, R, rules, resends)[-1]
+            hit, junction, groups = repeat(sizes, n, R, rules, groups)
+            assert hit == expected == out["model_hit"]  # one model, three routes to the same number
+            spb = junction if junction > 0 else 0
+            if (out["hit"], out["spb"]) != (expected, spb):
+                fail(f"resend {resends} (N={n}) differs", f"hit {out['hit']}, shared_prefix_boundary {out['spb']}",
+                     f"repeat_hits {repeat_hits(sizes, n, R, rules, resends)}, junction {spb}")
+            cache = written_cache(groups)
+            stats.resends += 1
+            stats.below_dense += out["hit"] < dense
+        else:
+            extra = op[1]
+            prompt = tokens + [rng.randrange(1, 50_000) for _ in range(extra)]
+            out = lookup(f"sibling +{extra}", prompt, cache, serve=False)
+            if out is None:
+                return history
+            # vLLM's shared_prefix_boundary is the longest candidate when it is past the hit, else 0.
+            spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
+            if (out["hit"], out["spb"]) != (out["model_hit"], spb):
+                fail(f"sibling of {n + extra} tokens differs", f"hit {out['hit']}, shared_prefix_boundary "
+                     f"{out['spb']}", f"hit {out['model_hit']}, longest {out['model_longest']}")
+            stats.siblings += 1
+        stats.positive += out["hit"] > 0
+    return history
