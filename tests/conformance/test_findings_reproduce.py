@@ -153,3 +153,21 @@ def test_w3_repro_first_resend_misses_under_lookahead_hashes_exactly_as_vllm_0_3
         seen[retention] = (vllm_hits, _served(GEMMA, mtp2, n, retention, REFERENCE))
     assert seen[0] == ([0, 0, 512, 512], [0, 512, 512, 512])
     assert seen[None][0] == [0, 512, 512, 512]
+
+
+DSV4_REPORT = Layout((Group("full", 16384, tokens_per_state=128), Group("full", 512, tokens_per_state=4),
+                      Group("full", 512, tokens_per_state=4), Group("swa", 128, window=128, eagle=True),
+                      Group("swa", 8, window=128), Group("swa", 4, window=8)), name="dsv4_report")
+
+
+def test_w4_repro_the_deepseek_v4_report_returns_on_the_first_resend_exactly_as_vllm_0_33_predicts():
+    rows = _run("w4_dsv4_report_first_repeat.py")
+    drop = Speculation("drop", 1)
+    seen = {}
+    for row in rows:
+        retention, n = _retention(row["case"]), int(row["N"])
+        vllm_hits = [int(row["first"]), *map(int, row["resends"].split(","))]
+        assert vllm_hits == _served(DSV4_REPORT, drop, n, retention, VLLM), row
+        seen[retention] = (vllm_hits, _served(DSV4_REPORT, drop, n, retention, REFERENCE))
+    assert seen[0] == ([0, 16384, 32768, 32768], [0, 32768, 32768, 32768])
+    assert seen[None][0] == [0, 32768, 32768, 32768]
