@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 415869c88886ae845df9edbd1004eb130b277e2f27673902393d2932cb3bba38
-output-sha256: 1dbb56a2978dd14474cc65015b7495f780a3a7628b8c7bdbb80c2ca59d238f31
+spec-sha256: 8b93a813b42d2153bf08ec3b8c006707c1fb5187f5b5f92ab01483cb0ca94c71
+output-sha256: 305ecf821404cc0da5748ecc4135ad069abf35e08ad1c67356c7d22293adb40b
 """
 
 import itertools
@@ -857,8 +857,10 @@ def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 # * ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``).
 #
 # Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
-# chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, and a later
-# request keeps the whole tail at its junction (vLLM keeps only the blocks it computed).
+# chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, a request that
+# samples one token and ends (decode steps would cache more), sliding-window blocks never freed before they
+# are cached, and a later request keeps the whole tail at its junction (vLLM keeps only the blocks it
+# computed).
 # --------------------------------------------------------------------------------------------------
 
 NO_JUNCTION = -1
@@ -1054,18 +1056,17 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     """
     sg = sizes.groups[k]
     b = sg.block
-    a = sizes.alignment
     unit = read_unit(sizes, k)
     extent = group_extent(sizes, k, n_tokens)
-    every_block = interval is not None and interval > 0 and (interval // b <= 1)
-    period = interval if interval is not None and interval > 0 and (not every_block) else 0
-    dense = interval is None or every_block or (interval == 0 and (not rules.sparse_zero))
-    aligned = tuple((x // a * a for x in boundaries))
+    aligned = tuple((x // sizes.alignment * sizes.alignment for x in boundaries))
     if rules.replay == 'resume':
         points = tuple((x if x > 0 and x <= extent else NO_JUNCTION for x in aligned))
         every = interval is None or (interval == 0 and (not rules.sparse_zero))
         period = interval if interval is not None and interval > 0 else 0
         return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
+    every_block = interval is not None and interval > 0 and (interval // b <= 1)
+    period = interval if interval is not None and interval > 0 and (not every_block) else 0
+    dense = interval is None or every_block or (interval == 0 and (not rules.sparse_zero))
     ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules)
     points = []
     for e in ends:

@@ -19,8 +19,10 @@ Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
 * ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``).
 
 Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
-chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, and a later
-request keeps the whole tail at its junction (vLLM keeps only the blocks it computed).
+chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, a request that
+samples one token and ends (decode steps would cache more), sliding-window blocks never freed before they
+are cached, and a later request keeps the whole tail at its junction (vLLM keeps only the blocks it
+computed).
 """
 
 from .cache import Held
@@ -29,6 +31,7 @@ from .policy import Rules, hit_tokens
 from .sizes import Sizes
 from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_, written
 
+# -1 stands for an absent position: no junction, no partial tail, no state (every consumer ignores <= 0).
 NO_JUNCTION = -1
 
 
@@ -251,18 +254,18 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     """
     sg = sizes.groups[k]
     b = sg.block
-    a = sizes.alignment
     unit = read_unit(sizes, k)
     extent = group_extent(sizes, k, n_tokens)
-    every_block = interval is not None and interval > 0 and interval // b <= 1
-    period = interval if (interval is not None and interval > 0 and not every_block) else 0
-    dense = interval is None or every_block or (interval == 0 and not rules.sparse_zero)
-    aligned = tuple(floor_to(x, a) for x in boundaries)
+    aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
     if rules.replay == "resume":  # one state per interval, each at a boundary the read side can use
         points = tuple(ite(and_(x > 0, x <= extent), x, NO_JUNCTION) for x in aligned)
         every = interval is None or (interval == 0 and not rules.sparse_zero)
         period = interval if (interval is not None and interval > 0) else 0
         return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
+    # vLLM's mask: every block when dense or when the interval is at most one block (vLLM returns None)
+    every_block = interval is not None and interval > 0 and interval // b <= 1
+    period = interval if (interval is not None and interval > 0 and not every_block) else 0
+    dense = interval is None or every_block or (interval == 0 and not rules.sparse_zero)
     ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules)
     points = []
     for e in ends:
