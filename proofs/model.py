@@ -302,14 +302,32 @@ def check_concrete(invariant: Invariant, rules: Rules, scenario: Scenario):
         verdict = "REPLAY-MISMATCH"
     if verdict == "PROVED":
         return verdict, seconds, None
-    cex = {"layout": config.layout.name, "dcp": config.layout.dcp, "speculation": config.speculation.describe(),
-           "policy": rules.name, "N": values["N"], "retention": config.retention if config.write_side else None,
-           "cache": {}, "z3": dict(interpreted.shown), "replayed": dict(replay.shown),
-           "witnesses": {k: v for k, v in values.items() if k != "N"}}
-    cex["repeat_hits"] = {name: list(refimpl.repeat_hits(ReplayContext(config, other, values, None).sizes(),
-                                                          values["N"], config.retention, other, 3))
-                          for name, other in spec_policy.POLICIES.items()}
-    return verdict, seconds, cex
+    return verdict, seconds, counterexample(config, rules, values, None, {}, dict(interpreted.shown), replay.shown)
+
+
+def counterexample(config: Config, rules: Rules, values: dict, cache, described: dict, shown: dict,
+                   replayed: dict) -> dict:
+    """The record of a refuted check: the inputs, what the check showed and its replay, and every
+    policy's hits on the same inputs (the first three repeats on the write side)."""
+    cex = {
+        "layout": config.layout.name, "dcp": config.layout.dcp,
+        "speculation": config.speculation.describe(), "policy": rules.name, "N": values["N"],
+        "retention": config.retention if config.write_side else None,
+        "cache": described, "z3": shown, "replayed": dict(replayed),
+        "witnesses": {k: v for k, v in values.items() if k != "N"},
+    }
+    if config.write_side:
+        # The cache is what the first request left; each policy's hits on its first three repeats.
+        cex["repeat_hits"] = {name: list(refimpl.repeat_hits(ReplayContext(config, other, values, cache).sizes(),
+                                                              values["N"], config.retention, other, 3))
+                              for name, other in spec_policy.POLICIES.items()}
+    else:
+        ref = ReplayContext(config, spec_policy.REFERENCE, values, cache)
+        cex["reference_hit"] = ref.hit()[0]
+        cex["reference_hit_without_speculation"] = ref.hit(NO_SPECULATION)[0]
+        cex["hits"] = {name: ReplayContext(config, other, values, cache).hit()[0]
+                       for name, other in spec_policy.POLICIES.items()}
+    return cex
 
 
 def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None):
@@ -340,24 +358,7 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     cache, described = cache_from_runs(model_runs(ctx.cache, model))
     replay = ReplayContext(config, rules, values, cache)
     r_assumption, r_claim = invariant.claim(replay)
-    cex = {
-        "layout": config.layout.name, "dcp": config.layout.dcp,
-        "speculation": config.speculation.describe(), "policy": rules.name, "N": values["N"],
-        "retention": config.retention if config.write_side else None,
-        "cache": described, "z3": symbolic_shown, "replayed": dict(replay.shown),
-        "witnesses": {k: v for k, v in values.items() if k != "N"},
-    }
-    if config.write_side:
-        # The cache is what the first request left; each policy's hits on its first three repeats.
-        cex["repeat_hits"] = {name: list(refimpl.repeat_hits(ReplayContext(config, other, values, cache).sizes(),
-                                                              values["N"], config.retention, other, 3))
-                              for name, other in spec_policy.POLICIES.items()}
-    else:
-        ref = ReplayContext(config, spec_policy.REFERENCE, values, cache)
-        cex["reference_hit"] = ref.hit()[0]
-        cex["reference_hit_without_speculation"] = ref.hit(NO_SPECULATION)[0]
-        cex["hits"] = {name: ReplayContext(config, other, values, cache).hit()[0]
-                       for name, other in spec_policy.POLICIES.items()}
+    cex = counterexample(config, rules, values, cache, described, symbolic_shown, replay.shown)
     if not (r_assumption and not r_claim) or symbolic_shown != replay.shown:
         return "REPLAY-MISMATCH", seconds, cex
     return "REFUTED", seconds, cex

@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 8b93a813b42d2153bf08ec3b8c006707c1fb5187f5b5f92ab01483cb0ca94c71
-output-sha256: 305ecf821404cc0da5748ecc4135ad069abf35e08ad1c67356c7d22293adb40b
+spec-sha256: cfe84c18c7487d0107b9c7825c0b6bb15f61bda6827f95645b106be1635e2fcb
+output-sha256: 24bca204db7cc39daa7503380bc62914d252cc9cf803e9bdd008baa18aa6b273
 """
 
 import itertools
@@ -941,18 +941,15 @@ def partial_tails(sizes: Sizes, k, n_tokens):
     points = []
     full_before = 0
     for tokens in calls:
-        covered = max(0, tokens - sizes.hash_lookahead) // h * h
+        covered = hash_reach(sizes, tokens)
         full = min(cacheable, covered) // sg.block * sg.block
         points = [NO_JUNCTION if full_before <= p // sg.block * sg.block and p // sg.block * sg.block < full else p for p in points]
         x = min(limit, covered)
-        ok = x > 0 and x <= cacheable and not_multiple(x, sg.block)
+        ok = x > 0 and x <= cacheable and (not eq_zero_mod(x, sg.block))
         points = [NO_JUNCTION if ok and p // sg.block * sg.block == x // sg.block * sg.block else p for p in points]
         points.append(x if ok and x <= n_tokens - sizes.hash_lookahead else NO_JUNCTION)
         full_before = full
     return tuple(points)
-
-def not_multiple(x, unit: int):
-    return x - x // unit * unit > 0
 
 def dense_groups(sizes: Sizes, n_tokens):
     """What the request would leave if every state were retained: each group holds every boundary up to
@@ -1088,6 +1085,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     return Held(Kind.MAMBA, b, unit, extent, False, tuple(points))
 
 def eq_zero_mod(x, unit: int):
+    """Whether ``x`` is a multiple of ``unit``."""
     return x - x // unit * unit == 0
 
 def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junction=NO_JUNCTION, again=False):

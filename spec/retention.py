@@ -28,7 +28,7 @@ computed).
 from .cache import Held
 from .domain import Kind
 from .policy import Rules, hit_tokens
-from .sizes import Sizes
+from .sizes import Sizes, hash_reach
 from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_, written
 
 # -1 stands for an absent position: no junction, no partial tail, no state (every consumer ignores <= 0).
@@ -123,22 +123,18 @@ def partial_tails(sizes: Sizes, k, n_tokens):
     points = []
     full_before = 0
     for tokens in calls:
-        covered = max_(0, tokens - sizes.hash_lookahead) // h * h
+        covered = hash_reach(sizes, tokens)
         full = floor_to(min_(cacheable, covered), sg.block)
         # an entry on a block this call caches whole is replaced by the full entry
         points = [ite(and_(full_before <= floor_to(p, sg.block), floor_to(p, sg.block) < full), NO_JUNCTION, p)
                   for p in points]
         x = min_(limit, covered)
-        ok = and_(and_(x > 0, x <= cacheable), not_multiple(x, sg.block))
+        ok = and_(and_(x > 0, x <= cacheable), not_(eq_zero_mod(x, sg.block)))
         # a block carries one partial entry: a new one replaces an older one on the same block
         points = [ite(and_(ok, eq(floor_to(p, sg.block), floor_to(x, sg.block))), NO_JUNCTION, p) for p in points]
         points.append(ite(and_(ok, x <= n_tokens - sizes.hash_lookahead), x, NO_JUNCTION))
         full_before = full
     return tuple(points)
-
-
-def not_multiple(x, unit: int):
-    return x - floor_to(x, unit) > 0
 
 
 def dense_groups(sizes: Sizes, n_tokens):
@@ -288,6 +284,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
 
 
 def eq_zero_mod(x, unit: int):
+    """Whether ``x`` is a multiple of ``unit``."""
     return eq(x - floor_to(x, unit), 0)
 
 
