@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: cfe84c18c7487d0107b9c7825c0b6bb15f61bda6827f95645b106be1635e2fcb
-output-sha256: 24bca204db7cc39daa7503380bc62914d252cc9cf803e9bdd008baa18aa6b273
+spec-sha256: 72a0658bb293ee4eba4c98dd7f406e353b69e9afd59267c5dcd0223be2300f6a
+output-sha256: 73341ae2ecaad0e87967cfdcdf5df2698429e707c6d19ecbb67c1d086d076b28
 """
 
 import itertools
@@ -454,6 +454,9 @@ class Held:
         shift: sliding window: blocks a tail reaches past its boundary (1 when the group drops).
         period: tokens between periodic tails (sliding window) or states (Mamba); 0 for none. Periodic
             sliding-window tails end at ``shift * block + m * period`` for ``m >= 1``.
+        gaps: sliding window: ``(lo, hi)`` token ranges (multiples of the block; empty when ``lo >= hi``)
+            whose blocks are not held whatever the rest says: blocks freed before any caching call
+            covered them.
     """
     kind: Kind
     block: int
@@ -465,11 +468,15 @@ class Held:
     need: int = 0
     shift: int = 0
     period: int = 0
+    gaps: tuple = ()
 
 def holds_block(g: Held, j):
     """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
     if (j + 1) * g.block > g.extent:
         return False
+    for lo, hi in g.gaps:
+        if lo <= j * g.block < hi:
+            return False
     if g.every:
         return True
     per = g.period // g.block
@@ -858,9 +865,8 @@ def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 #
 # Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
 # chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, a request that
-# samples one token and ends (decode steps would cache more), sliding-window blocks never freed before they
-# are cached, and a later request keeps the whole tail at its junction (vLLM keeps only the blocks it
-# computed).
+# samples one token and ends (decode steps would cache more), and a later request keeps the whole tail at
+# its junction (vLLM keeps only the blocks it computed).
 # --------------------------------------------------------------------------------------------------
 
 NO_JUNCTION = -1
@@ -997,10 +1003,43 @@ def junction_boundaries(sizes: Sizes, k, junction):
         return (here,)
     return (here, junction - sg.block if junction > 0 else NO_JUNCTION)
 
-def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: Rules):
+def gaps_possible(sizes: Sizes, k) -> bool:
+    """Whether spec group ``k`` (a sliding window) can lose blocks before they are cached: only when a
+    Mamba group makes the scheduler stop between chunks, and a chunk end can run a window plus a block
+    past what that chunk caches (a lag of at most ``S - 1`` tokens, or ``S + Lp - 2b`` behind the EAGLE
+    peek; with partial hits at most ``Lp + b - 1``). A static over-approximation: when it says yes,
+    :func:`sliding_window_gaps` decides."""
+    sg = sizes.groups[k]
+    if sg.kind is not Kind.SWA or sizes.partial_hits or (not any((g.kind is Kind.MAMBA for g in sizes.groups))):
+        return False
+    return sg.window + sg.block <= sizes.scheduler_block + reprefillable(sizes)
+
+def sliding_window_gaps(sizes: Sizes, k, n_tokens, start, junction, rules: Rules):
+    """Blocks of sliding-window group ``k`` freed before any caching call covered them.
+
+    vLLM frees the blocks a chunk starting at ``s`` no longer reads (those ending at or before
+    ``s - W + 1``, ``SlidingWindowManager.get_num_skipped_tokens``) before caching that chunk; the chunk
+    ending at ``s`` cached only its cacheable prefix (``get_num_cacheable_tokens``: aligned, one peek block
+    past it when dropping, nothing when the aligned prefix is 0). A block between the two is never cached.
+    One ``(lo, hi)`` per scheduler stop strictly between ``start`` and ``N``; empty ones are ``lo >= hi``.
+    """
+    if not gaps_possible(sizes, k):
+        return ()
+    sg = sizes.groups[k]
+    b = sg.block
+    out = []
+    for s in chunk_stops(sizes, n_tokens, start, junction, rules):
+        inside = start < s and s < n_tokens
+        cached = min(cacheable_tokens(sizes, k, s), hash_reach(sizes, n_tokens)) // b * b
+        freed = max(s - sg.window + 1, 0) // b * b
+        out.append((cached if inside else NO_JUNCTION, freed if inside else NO_JUNCTION))
+    return tuple(out)
+
+def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: Rules, gaps=()):
     """vLLM ``SlidingWindowManager.reachable_block_mask``: the ``need``-block tails a hit needs, ending
     ``shift`` blocks past each aligned boundary; every ``interval`` tokens (every ``A`` when dense); every
-    block when a tail would cover a whole segment or the alignment is finer than the block."""
+    block when a tail would cover a whole segment or the alignment is finer than the block. Blocks in
+    ``gaps`` (:func:`sliding_window_gaps`) are not held; a tail reaching into one is not kept at all."""
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
@@ -1008,22 +1047,31 @@ def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: 
     shift = 1 if sg.drops else 0
     need = -(-(sg.window - 1) // b) + shift
     if a % b != 0:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
     dense = interval is None or (interval == 0 and (not rules.sparse_zero))
     segment = a if dense else interval
     if segment > 0 and need >= segment // b:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
     ends = ()
     if not dense:
-        ends = tuple((x // a * a + shift * b for x in boundaries))
-    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment)
+        ends = []
+        for x in boundaries:
+            t = x // a * a + shift * b
+            lost = False
+            for lo, hi in gaps:
+                lost = lost or (lo < hi and lo < t and (t - need * b < hi))
+            ends.append(NO_JUNCTION if lost else t)
+        ends = tuple(ends)
+    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment, gaps)
 
-def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
-    """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
-    ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
-    checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
-    block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
-    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
+def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules):
+    """The scheduler's mandatory chunk ends when a Mamba group is present (vLLM
+    ``_mamba_block_aligned_split``, ``block_size`` = the config block): the prompt checkpoint, the
+    partial-hit tail (with partial hits), the junction floored to the config block past ``start``, and the
+    end of the config block ``start`` and each of those lies in (a chunk that starts inside a config block
+    stops at its end). Unfiltered: a stop counts only strictly between ``start`` and ``N``."""
+    if not any((sg.kind is Kind.MAMBA for sg in sizes.groups)):
+        return ()
     big = sizes.config_block
     drop = sizes.drop and rules.checkpoint_drop
     lookahead = sizes.hash_lookahead
@@ -1033,9 +1081,16 @@ def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules:
         tail = checkpoint_position(n_tokens, sizes.hash_block, drop, lookahead)
         stops.append(tail if first < tail and tail < n_tokens else NO_JUNCTION)
     stops.append(start + (junction - start) // big * big if start < junction and junction < n_tokens else NO_JUNCTION)
-    unaligned = [start] + stops
-    stops += [ceil_to(e, big) for e in unaligned[:1] + unaligned[2:]]
-    stops += [ceil_to(e, block) for e in unaligned]
+    return tuple(stops + [ceil_to(e, big) for e in [start] + stops[1:]])
+
+def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
+    """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
+    ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
+    checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
+    block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
+    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
+    stops = list(chunk_stops(sizes, n_tokens, start, junction, rules))
+    stops += [ceil_to(e, block) for e in [start] + stops[:len(stops) // 2]]
     ends = tuple((e if start < e and e < n_tokens else NO_JUNCTION for e in stops))
     return ends + (n_tokens,)
 
@@ -1100,7 +1155,11 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
         if sg.kind is Kind.SWA:
             if again:
                 at = junction_boundaries(sizes, k, junction)
-            out.append(sliding_window_held(sizes, k, n_tokens, interval, at, rules))
+            gaps = sliding_window_gaps(sizes, k, n_tokens, start, junction, rules)
+            held = sliding_window_held(sizes, k, n_tokens, interval, at, rules, gaps)
+            if gaps and (not (isinstance(start, int) and start == 0)):
+                held = Held(held.kind, held.block, held.unit, held.extent, held.every, held.points, held.ends, held.need, held.shift, held.period, gaps + ((0, max(start, 0) // sg.block * sg.block),))
+            out.append(held)
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules))
         else:
@@ -1110,11 +1169,20 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True, points))
     return tuple(out)
 
+def live_gaps(gaps):
+    """``gaps`` without the ones known to be empty before any prompt is chosen."""
+    return tuple(((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and (lo >= hi))))
+
 def merge(old, new):
-    """The cache after a later request with the same prompt wrote ``new`` on top of ``old``."""
+    """The cache after a later request with the same prompt wrote ``new`` on top of ``old``.
+
+    A block is held when either request holds it. Both keep every block, or the same periodic tails (same
+    prompt, same interval), and each drops whole the explicit tails reaching into its own gaps, so a block
+    is missing exactly when it lies in a gap of both: the gaps become the pairwise intersections."""
     out = []
     for g, h in zip(old, new):
-        out.append(Held(g.kind, g.block, g.unit, g.extent, g.every, g.points + h.points, g.ends + h.ends, g.need, g.shift, g.period))
+        gaps = tuple(((max(a[0], c[0]), min(a[1], c[1])) for a in live_gaps(g.gaps) for c in live_gaps(h.gaps)))
+        out.append(Held(g.kind, g.block, g.unit, g.extent, g.every, g.points + h.points, g.ends + h.ends, g.need, g.shift, g.period, gaps))
     return tuple(out)
 
 def junction_of(sizes: Sizes, hit, longest, rules: Rules):
@@ -1143,7 +1211,7 @@ def repeat_hits(sizes: Sizes, n_tokens, interval, rules: Rules, repeats: int):
 def retained_states(g: Held):
     """What a group retains: Mamba states (one per distinct position; every state at its unit when it
     keeps every one), or sliding-window blocks counted as ``need`` per distinct tail (every block when
-    it keeps every one)."""
+    it keeps every one). Sliding-window gaps are not subtracted: an upper bound there."""
     if g.every:
         return g.extent // (g.block if g.kind is Kind.SWA else g.unit)
     total = 0

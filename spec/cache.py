@@ -79,6 +79,9 @@ class Held:
         shift: sliding window: blocks a tail reaches past its boundary (1 when the group drops).
         period: tokens between periodic tails (sliding window) or states (Mamba); 0 for none. Periodic
             sliding-window tails end at ``shift * block + m * period`` for ``m >= 1``.
+        gaps: sliding window: ``(lo, hi)`` token ranges (multiples of the block; empty when ``lo >= hi``)
+            whose blocks are not held whatever the rest says: blocks freed before any caching call
+            covered them.
     """
 
     kind: Kind
@@ -91,12 +94,16 @@ class Held:
     need: int = 0
     shift: int = 0
     period: int = 0
+    gaps: tuple = ()
 
 
 def holds_block(g: Held, j):
     """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
     if (j + 1) * g.block > g.extent:
         return False
+    for lo, hi in g.gaps:
+        if lo <= j * g.block < hi:
+            return False
     if g.every:
         return True
     per = g.period // g.block

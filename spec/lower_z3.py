@@ -334,13 +334,41 @@ class SymbolicWrittenCache:
             return out
         if g.kind is not Kind.SWA or g.every:
             if unit == g.block:
-                return [(unit, g.extent - after * unit)]
+                return self._outside_gaps(g, [(unit, g.extent - after * unit)], before, after)
             if g.kind is Kind.FULL and before == 1 and after == 0:
                 return [(g.block, g.extent, g.block, 0)] + [(p, p) for p in _distinct_positive(g.points)]
             raise SpecError(f"unsupported window of unit {unit} over group {k}")
         if unit != g.block:
             raise SpecError("a sliding-window group is read at its block")
-        return self._tail_intervals(g, before, after)
+        return self._outside_gaps(g, self._tail_intervals(g, before, after), before, after)
+
+    @staticmethod
+    def _outside_gaps(g, intervals, before, after):
+        """``intervals`` without the window ends whose window reaches into one of ``g.gaps``.
+
+        Blocks ``[x - before*b, x + after*b)`` meet the gap ``[lo, hi)`` iff ``lo - after*b < x <
+        hi + before*b``. The ends meeting no gap are the union, over ``L`` = minus infinity and each gap's
+        ``hi + before*b``, of ``[L, R(L)]`` with ``R(L)`` the least ``lo - after*b`` of the gaps not
+        entirely before ``L`` (an ``L`` inside a gap gets an empty interval): linear in the gaps, where
+        cutting each interval at each gap would double the intervals per gap.
+        """
+        gaps = [(lo, hi) for lo, hi in g.gaps
+                if not (isinstance(lo, int) and isinstance(hi, int) and lo >= hi)]  # concrete empty ones
+        if not gaps:
+            return intervals
+        bb, ab = before * g.block, after * g.block
+        starts = [None] + [(lo < hi, hi + bb) for lo, hi in gaps]
+        out = []
+        for iv in intervals:
+            for start in starts:
+                lo_x, hi_x = iv[0], iv[1]
+                if start is not None:
+                    lo_x = ite(start[0], max_(lo_x, start[1]), hi_x + 1)
+                for lo, hi in gaps:
+                    reaches = lo < hi if start is None else and_(lo < hi, hi + bb > start[1])
+                    hi_x = ite(reaches, min_(hi_x, lo - ab), hi_x)
+                out.append((lo_x, hi_x) + tuple(iv[2:]))
+        return out
 
     @staticmethod
     def _tail_intervals(g, before, after):
@@ -429,10 +457,12 @@ class SymbolicWrittenCache:
 
         if unit != g.block or g.kind is Kind.MAMBA:
             raise SpecError(f"run of unit {unit} over group {k}")
-        if g.kind is not Kind.SWA or g.every:
+        if g.kind is not Kind.SWA:
             return max_(0, min_(g.extent // unit, limit) - start)
         if not (isinstance(start, int) and start == 0):
             raise SpecError("a sliding-window run is read from block 0 only")
+        if g.every:
+            return max_(0, min_(self._before_gaps(g, g.extent) // unit, limit))
         b = g.block
         tail = g.need * b
         first = g.shift * b + g.period
@@ -448,4 +478,13 @@ class SymbolicWrittenCache:
                 p = g.shift * b + (reach + tail - g.shift * b) // g.period * g.period
                 nxt = ite(and_(p >= first, p > nxt), p, nxt)
             reach = nxt
-        return max_(0, min_(min_(reach, g.extent) // b, limit))
+        return max_(0, min_(self._before_gaps(g, min_(reach, g.extent)) // b, limit))
+
+    @staticmethod
+    def _before_gaps(g, reach):
+        """A run of held blocks from block 0 ending at token ``reach``, cut at the first gap inside it."""
+        for lo, hi in g.gaps:
+            if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+                continue
+            reach = ite(and_(lo < hi, lo < reach), lo, reach)
+        return reach

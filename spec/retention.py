@@ -20,9 +20,8 @@ Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
 
 Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
 chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, a request that
-samples one token and ends (decode steps would cache more), sliding-window blocks never freed before they
-are cached, and a later request keeps the whole tail at its junction (vLLM keeps only the blocks it
-computed).
+samples one token and ends (decode steps would cache more), and a later request keeps the whole tail at
+its junction (vLLM keeps only the blocks it computed).
 """
 
 from .cache import Held
@@ -188,10 +187,45 @@ def junction_boundaries(sizes: Sizes, k, junction):
     return (here, ite(junction > 0, junction - sg.block, NO_JUNCTION))
 
 
-def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: Rules):
+def gaps_possible(sizes: Sizes, k) -> bool:
+    """Whether spec group ``k`` (a sliding window) can lose blocks before they are cached: only when a
+    Mamba group makes the scheduler stop between chunks, and a chunk end can run a window plus a block
+    past what that chunk caches (a lag of at most ``S - 1`` tokens, or ``S + Lp - 2b`` behind the EAGLE
+    peek; with partial hits at most ``Lp + b - 1``). A static over-approximation: when it says yes,
+    :func:`sliding_window_gaps` decides."""
+    sg = sizes.groups[k]
+    if sg.kind is not Kind.SWA or sizes.partial_hits or not any(g.kind is Kind.MAMBA for g in sizes.groups):
+        return False
+    return sg.window + sg.block <= sizes.scheduler_block + reprefillable(sizes)
+
+
+def sliding_window_gaps(sizes: Sizes, k, n_tokens, start, junction, rules: Rules):
+    """Blocks of sliding-window group ``k`` freed before any caching call covered them.
+
+    vLLM frees the blocks a chunk starting at ``s`` no longer reads (those ending at or before
+    ``s - W + 1``, ``SlidingWindowManager.get_num_skipped_tokens``) before caching that chunk; the chunk
+    ending at ``s`` cached only its cacheable prefix (``get_num_cacheable_tokens``: aligned, one peek block
+    past it when dropping, nothing when the aligned prefix is 0). A block between the two is never cached.
+    One ``(lo, hi)`` per scheduler stop strictly between ``start`` and ``N``; empty ones are ``lo >= hi``.
+    """
+    if not gaps_possible(sizes, k):
+        return ()
+    sg = sizes.groups[k]
+    b = sg.block
+    out = []
+    for s in chunk_stops(sizes, n_tokens, start, junction, rules):
+        inside = and_(start < s, s < n_tokens)
+        cached = floor_to(min_(cacheable_tokens(sizes, k, s), hash_reach(sizes, n_tokens)), b)
+        freed = floor_to(max_(s - sg.window + 1, 0), b)
+        out.append((ite(inside, cached, NO_JUNCTION), ite(inside, freed, NO_JUNCTION)))
+    return tuple(out)
+
+
+def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: Rules, gaps=()):
     """vLLM ``SlidingWindowManager.reachable_block_mask``: the ``need``-block tails a hit needs, ending
     ``shift`` blocks past each aligned boundary; every ``interval`` tokens (every ``A`` when dense); every
-    block when a tail would cover a whole segment or the alignment is finer than the block."""
+    block when a tail would cover a whole segment or the alignment is finer than the block. Blocks in
+    ``gaps`` (:func:`sliding_window_gaps`) are not held; a tail reaching into one is not kept at all."""
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
@@ -199,23 +233,32 @@ def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: 
     shift = 1 if sg.drops else 0
     need = cdiv(sg.window - 1, b) + shift
     if a % b != 0:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
     dense = interval is None or (interval == 0 and not rules.sparse_zero)
     segment = a if dense else interval
     if segment > 0 and need >= segment // b:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift)
+        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
     ends = ()
     if not dense:
-        ends = tuple(floor_to(x, a) + shift * b for x in boundaries)
-    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment)
+        ends = []
+        for x in boundaries:
+            t = floor_to(x, a) + shift * b
+            lost = False
+            for lo, hi in gaps:
+                lost = or_(lost, and_(and_(lo < hi, lo < t), t - need * b < hi))
+            ends.append(ite(lost, NO_JUNCTION, t))
+        ends = tuple(ends)
+    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment, gaps)
 
 
-def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
-    """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
-    ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
-    checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
-    block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
-    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
+def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules):
+    """The scheduler's mandatory chunk ends when a Mamba group is present (vLLM
+    ``_mamba_block_aligned_split``, ``block_size`` = the config block): the prompt checkpoint, the
+    partial-hit tail (with partial hits), the junction floored to the config block past ``start``, and the
+    end of the config block ``start`` and each of those lies in (a chunk that starts inside a config block
+    stops at its end). Unfiltered: a stop counts only strictly between ``start`` and ``N``."""
+    if not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
+        return ()
     big = sizes.config_block
     drop = sizes.drop and rules.checkpoint_drop
     lookahead = sizes.hash_lookahead
@@ -226,11 +269,19 @@ def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules:
         stops.append(ite(and_(first < tail, tail < n_tokens), tail, NO_JUNCTION))
     stops.append(ite(and_(start < junction, junction < n_tokens), start + floor_to(junction - start, big),
                      NO_JUNCTION))
-    # A chunk that starts inside a config block stops at the block's end; one that starts inside a Mamba
-    # block carries the state on to that block's end, where its slot then holds it.
-    unaligned = [start] + stops
-    stops += [ceil_to(e, big) for e in unaligned[:1] + unaligned[2:]]
-    stops += [ceil_to(e, block) for e in unaligned]
+    return tuple(stops + [ceil_to(e, big) for e in [start] + stops[1:]])
+
+
+def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
+    """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
+    ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
+    checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
+    block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
+    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
+    stops = list(chunk_stops(sizes, n_tokens, start, junction, rules))
+    # A chunk that starts inside a Mamba block carries the state on to that block's end, where its slot
+    # then holds it: the start and the checkpoint, partial-hit tail and junction stops.
+    stops += [ceil_to(e, block) for e in [start] + stops[:len(stops) // 2]]
     ends = tuple(ite(and_(start < e, e < n_tokens), e, NO_JUNCTION) for e in stops)
     return ends + (n_tokens,)
 
@@ -301,7 +352,14 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
         if sg.kind is Kind.SWA:
             if again:
                 at = junction_boundaries(sizes, k, junction)
-            out.append(sliding_window_held(sizes, k, n_tokens, interval, at, rules))
+            gaps = sliding_window_gaps(sizes, k, n_tokens, start, junction, rules)
+            held = sliding_window_held(sizes, k, n_tokens, interval, at, rules, gaps)
+            if gaps and not (isinstance(start, int) and start == 0):
+                # what this request writes starts at its hit: the blocks before it are the earlier
+                # request's (see merge)
+                held = Held(held.kind, held.block, held.unit, held.extent, held.every, held.points, held.ends,
+                            held.need, held.shift, held.period, gaps + ((0, floor_to(max_(start, 0), sg.block)),))
+            out.append(held)
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules))
         else:
@@ -313,12 +371,22 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
     return tuple(out)
 
 
+def live_gaps(gaps):
+    """``gaps`` without the ones known to be empty before any prompt is chosen."""
+    return tuple((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and lo >= hi))
+
+
 def merge(old, new):
-    """The cache after a later request with the same prompt wrote ``new`` on top of ``old``."""
+    """The cache after a later request with the same prompt wrote ``new`` on top of ``old``.
+
+    A block is held when either request holds it. Both keep every block, or the same periodic tails (same
+    prompt, same interval), and each drops whole the explicit tails reaching into its own gaps, so a block
+    is missing exactly when it lies in a gap of both: the gaps become the pairwise intersections."""
     out = []
     for g, h in zip(old, new):
+        gaps = tuple((max_(a[0], c[0]), min_(a[1], c[1])) for a in live_gaps(g.gaps) for c in live_gaps(h.gaps))
         out.append(Held(g.kind, g.block, g.unit, g.extent, g.every, g.points + h.points, g.ends + h.ends,
-                        g.need, g.shift, g.period))
+                        g.need, g.shift, g.period, gaps))
     return tuple(out)
 
 
@@ -351,7 +419,7 @@ def repeat_hits(sizes: Sizes, n_tokens, interval, rules: Rules, repeats: int):
 def retained_states(g: Held):
     """What a group retains: Mamba states (one per distinct position; every state at its unit when it
     keeps every one), or sliding-window blocks counted as ``need`` per distinct tail (every block when
-    it keeps every one)."""
+    it keeps every one). Sliding-window gaps are not subtracted: an upper bound there."""
     if g.every:
         return g.extent // (g.block if g.kind is Kind.SWA else g.unit)
     total = 0

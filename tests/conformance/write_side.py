@@ -38,7 +38,7 @@ from kvhit.refimpl import (
     request_writes,
     written_cache,
 )
-from kvhit.refimpl.policy import NO_JUNCTION, CacheState, Kind, check_retention, mamba_chunk_ends, num_hashes, repeat
+from kvhit.refimpl.policy import NO_JUNCTION, CacheState, Kind, check_retention, chunk_stops, num_hashes, repeat
 
 from .differential import VLLM_0_33, Mismatch, check_sizes, describe_layout, harness_mode, runs, to_harness
 from .vllm_harness import SchedulingStalled, VllmHarness
@@ -125,18 +125,14 @@ def model_retained(sizes, cache: CacheState, k: int, n: int) -> list[int]:
 
 def stall_predicted(sizes, n, start, junction, rules) -> bool:
     """Whether the scheduler's own chunk clipping leaves this prefill stuck at 0 tokens: a Mamba chunk
-    must end at a stop ``e`` (the model's ``mamba_chunk_ends``) with ``0 < N - e < Lp``, and
+    must end at a stop ``e`` (the model's ``chunk_stops``) with ``0 < N - e < Lp``, and
     ``_reserve_prefill_lookahead`` keeps ``Lp`` tokens from the end, so the chunk to ``e`` is cut short and
     the one after it is cut to 0 (docs/findings.md, "Leads"). The write side assumes every request
     completes, so such a scenario ends there."""
     lp = sizes.prefill_lookahead
     if lp < 2 or not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
         return False
-    # mamba_chunk_ends lists the scheduler's mandatory stops first: the prompt checkpoint, the partial-hit
-    # tail (with partial hits) and the junction (m of them), then the config-block ends after the start and
-    # after each of those stops (m more); the rest are Mamba-block ends where states land, not chunk stops.
-    m = 3 if sizes.partial_hits else 2
-    stops = mamba_chunk_ends(sizes, n, sizes.config_block, start, junction, rules)[:2 * m]
+    stops = chunk_stops(sizes, n, start, junction, rules)
     return any(start < e < n and n - e < lp for e in stops)
 
 

@@ -3,7 +3,7 @@ cache a request leaves agrees with plain loops over it, and the write-side invar
 integers over wide ranges (for the reference policy), on random layouts beyond the catalogue."""
 
 import z3
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvhit import refimpl
@@ -50,18 +50,73 @@ def test_refimpl_write_side_matches_the_spec_interpreter(setting, n):
     for name in _policies():
         got = refimpl.request_writes(sizes, n, interval, refimpl.ALL_POLICIES[name])
         want = spec_retention.request_writes(spec_sizes, n, interval, SPEC.ALL_POLICIES[name])
-        assert [(g.kind.value, g.extent, g.every, g.points, g.ends, g.need, g.shift, g.period) for g in got] == \
-            [(g.kind.value, g.extent, g.every, g.points, g.ends, g.need, g.shift, g.period) for g in want]
+        assert [(g.kind.value, g.extent, g.every, g.points, g.ends, g.need, g.shift, g.period, g.gaps)
+                for g in got] == \
+            [(g.kind.value, g.extent, g.every, g.points, g.ends, g.need, g.shift, g.period, g.gaps) for g in want]
         assert refimpl.repeat_hits(sizes, n, interval, refimpl.ALL_POLICIES[name], 3) == \
             spec_retention.repeat_hits(spec_sizes, n, interval, SPEC.ALL_POLICIES[name], 3)
 
 
+@st.composite
+def gap_settings(draw):
+    """A layout whose sliding window can lose blocks before they are cached (``gaps_possible``): a small
+    window next to a Mamba group whose chunk stops lag the cacheable prefix by more than a window."""
+    swa_block = draw(st.sampled_from([16, 32]))
+    groups = [refimpl.Group("swa", swa_block, window=draw(st.sampled_from([17, 20, 32, 48])),
+                            eagle=draw(st.booleans())),
+              refimpl.Group("mamba", draw(st.sampled_from([64, 128, 256]))),
+              # without a full-attention group the Mamba group is read at the sliding window's block (partial
+              # hits), and the cacheable prefix never lags a chunk end
+              refimpl.Group("full", draw(st.sampled_from([16, 32])), eagle=draw(st.booleans()))]
+    layout = refimpl.Layout(tuple(draw(st.permutations(groups))), name="gaps")
+    speculation = draw(write_speculations)
+    sizes = refimpl.derive_sizes(layout, speculation)
+    assume(any(sg.kind.value == "swa" and refimpl.gaps_possible(sizes, k) for k, sg in enumerate(sizes.groups)))
+    interval = draw(st.sampled_from([None, 0, sizes.scheduler_block, 2 * sizes.scheduler_block]))
+    return layout, speculation, sizes, interval
+
+
+def test_a_sliding_window_loses_blocks_freed_before_caching():
+    """vLLM 0.33.0, full16 + mamba128 + swa32 (window 17), drop, R = 0, N = 128: the first chunk ends at
+    the prompt checkpoint 112, where nothing is cacheable yet (the aligned prefix is 0); the second chunk
+    frees blocks 0-2 (outside the window of token 112) before caching. Measured on vLLM (long conformance
+    run, then tests/conformance/test_write_side_matches_vllm.py::test_pinned_write_scenarios): the sliding
+    window retains nothing; at N = 160 the first chunk (to 144) caches 128 tokens and block 0 stays."""
+    layout = refimpl.Layout((refimpl.Group("full", 16), refimpl.Group("mamba", 128),
+                             refimpl.Group("swa", 32, window=17)))
+    sizes = refimpl.derive_sizes(layout, refimpl.Speculation("drop", 1))
+    rules = refimpl.ALL_POLICIES["vllm_0_33"]
+    measured = {128: [], 160: [32], 256: [32, 128, 160], 300: [128, 160]}
+    for n, boundaries in measured.items():
+        cache = refimpl.written_cache(refimpl.request_writes(sizes, n, 0, rules))
+        assert [x for x in range(32, n + 1, 32) if cache.has(2, x)] == boundaries, n
+    assert refimpl.request_writes(sizes, 128, 0, rules)[2].gaps[0] == (0, 96)
+
+
 @settings(max_examples=80, deadline=None)
 @given(setting=write_settings(), n=st.integers(1, 1500), longer=st.integers(1, 400),
-       policy=st.sampled_from(sorted(refimpl.POLICIES)))
-def test_z3_reading_of_a_written_cache_matches_refimpl(setting, n, longer, policy):
-    """Run the write side and the read side on symbolic prompts, then fix them: Z3 must give refimpl's
-    hits for a resend and a longer sibling, and each window and run query refimpl's loops answer."""
+       policy=st.sampled_from(sorted(refimpl.POLICIES)), repeats=st.integers(0, 1))
+def test_z3_reading_of_a_written_cache_matches_refimpl(setting, n, longer, policy, repeats):
+    """Run the write side (a first request, then ``repeats`` resends writing on top of it) and the read
+    side on symbolic prompts, then fix them: Z3 must give refimpl's hits for a resend and a longer
+    sibling, and each window and run query refimpl's loops answer."""
+    _z3_matches_refimpl(setting, n, longer, policy, repeats)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(setting=gap_settings(), n=st.integers(1, 1500), longer=st.integers(1, 400),
+       policy=st.sampled_from(sorted(refimpl.POLICIES)), repeats=st.integers(0, 1))
+def test_z3_reading_of_a_cache_with_lost_blocks_matches_refimpl(setting, n, longer, policy, repeats):
+    """The same on layouts whose sliding window loses blocks before caching them (``Held.gaps``). Each
+    resend multiplies the gaps (pairwise intersections), so the terms grow fast: one resend here; more
+    are checked by plain loops against vLLM (tests/conformance)."""
+    layout, speculation, sizes, interval = setting
+    first = refimpl.request_writes(sizes, n, interval, refimpl.ALL_POLICIES[policy])
+    assume(any(lo < hi for g in first for lo, hi in g.gaps))  # a block really is lost
+    _z3_matches_refimpl(setting, n, longer, policy, repeats)
+
+
+def _z3_matches_refimpl(setting, n, longer, policy, repeats):
     layout, speculation, sizes, interval = setting
     spec_layout, spec_speculation = to_spec(layout, speculation)
     rules = SPEC.ALL_POLICIES[policy]
@@ -69,6 +124,8 @@ def test_z3_reading_of_a_written_cache_matches_refimpl(setting, n, longer, polic
     with lowering():
         n_sym, n2_sym = fresh_int("N"), fresh_int("N2")
         groups = SPEC.request_writes(ssizes, n_sym, interval, rules)
+        for _ in range(repeats):
+            groups = spec_retention.repeat(ssizes, n_sym, interval, rules, groups)[2]
         cache = SymbolicWrittenCache(groups)
         resend = SPEC.hit_tokens(cache, ssizes, n_sym, rules)
         sibling = SPEC.hit_tokens(cache, ssizes, n2_sym, rules)
@@ -93,6 +150,8 @@ def test_z3_reading_of_a_written_cache_matches_refimpl(setting, n, longer, polic
 
     rsizes = refimpl.derive_sizes(layout, speculation)
     rgroups = refimpl.request_writes(rsizes, n, interval, refimpl.ALL_POLICIES[policy])
+    for _ in range(repeats):
+        rgroups = refimpl.repeat(rsizes, n, interval, refimpl.ALL_POLICIES[policy], rgroups)[2]
     concrete = refimpl.written_cache(rgroups)
     for query, symbolic in probes:
         if query[0] == "run":
@@ -152,3 +211,58 @@ def test_bad_retention_intervals_are_refused_with_the_reason():
     else:
         raise AssertionError("a retention interval on a full-attention-only layout was accepted")
     assert refimpl.repeat_hits(full, 100, 0, refimpl.REFERENCE, 2) == (96, 96)
+
+
+@st.composite
+def sliding_window_descriptions(draw):
+    """A sliding-window :class:`Held` with gaps (the write side produces gaps only where no tail reaches,
+    so the Z3 reading of gaps is checked on descriptions drawn directly)."""
+    b = draw(st.sampled_from([16, 32]))
+    need = draw(st.integers(1, 3))
+    shift = draw(st.integers(0, min(1, need - 1)))
+    extent = b * draw(st.integers(0, 30))
+    every = draw(st.booleans())
+    # the write side keeps every block when a tail would cover a whole period, so periods exceed a tail
+    period = 0 if every else draw(st.sampled_from([0, (need + 1) * b, (need + 3) * b]))
+    ends = tuple(b * draw(st.integers(-1, 32)) for _ in range(draw(st.integers(0, 3))))
+    gaps = tuple((b * lo, b * (lo + draw(st.integers(-1, 6)))) for lo in draw(st.lists(st.integers(0, 30), max_size=3)))
+    return refimpl.Held(refimpl.Kind.SWA, b, b, extent, every, (), ends, need, shift, period, gaps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(held=sliding_window_descriptions(), data=st.data())
+def test_z3_reading_of_gaps_matches_the_loops(held, data):
+    """Window and run queries, and the closed-form ``max_aligned`` over a window predicate, on a
+    description with gaps whose bounds are Z3 variables, equal refimpl's loops."""
+    from kvhit.spec import cache as spec_cache
+    from kvhit.spec.domain import Kind
+    from kvhit.spec.lower_z3 import symbolic_max_aligned
+
+    b = held.block
+    before = data.draw(st.integers(0, held.need))
+    after = data.draw(st.integers(0, held.need - before))
+    with lowering():
+        bounds = [(fresh_int("lo"), fresh_int("hi")) for _ in held.gaps]
+        symbolic = spec_cache.Held(Kind.SWA, b, b, held.extent, held.every, (), held.ends, held.need, held.shift,
+                                   held.period, tuple(bounds))
+        cache = SymbolicWrittenCache((symbolic,))
+        windows = [cache.window(0, x, b, before, after) for x in range(b, 34 * b, b)]
+        run = cache.run_from(0, 0, b, 40)
+        best = symbolic_max_aligned(b, 33 * b, lambda x: cache.window(0, x, b, before, after))
+    solver = z3.Solver()
+    for (lo, hi), (lo_v, hi_v) in zip(bounds, held.gaps):
+        solver.add(lo.z == lo_v, hi.z == hi_v)
+    assert solver.check() == z3.sat
+    model = solver.model()
+
+    def value(v):
+        if isinstance(v, bool | int):
+            return v
+        e = model.eval(_zv(v), True)
+        return z3.is_true(e) if z3.is_bool(e) else e.as_long()
+
+    loops = refimpl.written_cache((held,))
+    want = [loops.window(0, x, b, before, after) for x in range(b, 34 * b, b)]
+    assert [value(w) for w in windows] == want, held
+    assert value(run) == loops.run_from(0, 0, b, 40), held
+    assert value(best) == max([x for x, ok in zip(range(b, 34 * b, b), want) if ok], default=0), held
