@@ -365,8 +365,9 @@ def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
                                  f"in the spec: {sg.drops}")
     write, write_note = _write_side(coordinator, sizes, layout.name)
     members = tuple(tuple(sg.members) for sg in sizes.groups)
+    walked = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
     return CoordinatorModel(layout, speculation, sizes, members, tuple(spec_group_of), layout.name, write,
-                            write_note, walk_sources(members, _spec_groups(coordinator)[0]))
+                            write_note, walked)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -475,16 +476,19 @@ class _OneGroup(CacheState):
         return self.cache.window(self.k, x, unit, before, after)
 
 
-def walk_sources(members: Sequence[Sequence[int]], spec_groups) -> tuple[tuple[int, tuple[int, ...]], ...]:
+def walk_sources(members: Sequence[Sequence[int]], spec_groups,
+                 block_of: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``(k, indices)`` for each spec group ``k`` whose KV-cache groups ``members[k]`` are exactly those of
-    vLLM full-attention spec groups ``spec_groups[i]`` (``i`` in ``indices``, all of one block size): the
-    spec groups whose leading run the lookup's walks give (:func:`_walk_full_attention`)."""
+    vLLM full-attention spec groups ``spec_groups[i]`` (``i`` in ``indices``) of one block size
+    (``block_of[group id]``): the spec groups whose leading run the lookup's walks give
+    (:func:`_walk_full_attention`)."""
     full = [(i, set(g[1])) for i, g in enumerate(spec_groups) if isinstance(g[0], FullAttentionSpec)]
     sources = []
     for k, ids in enumerate(members):
         ids = set(ids)
         inside = [(i, gids) for i, gids in full if gids <= ids]
-        if inside and set().union(*(gids for _, gids in inside)) == ids:
+        if (inside and set().union(*(gids for _, gids in inside)) == ids
+                and len({block_of[gid] for gid in ids}) == 1):
             sources.append((k, tuple(i for i, _ in inside)))
     return tuple(sources)
 
@@ -496,28 +500,34 @@ def known_runs(sources: Sequence[tuple[int, Sequence[int]]],
     every walk), known past where the first of them stopped looking only if none stopped earlier."""
     runs = {}
     for k, indices in sources:
-        inside = [walks[i] for i in indices]
-        block = inside[0].block
-        if any(w.block != block for w in inside):
-            continue
-        walked = min(w.walked for w in inside)
-        runs[k] = _Run(block, min(walked, *(w.found // block for w in inside)), walked)
+        walk = walks[indices[0]]
+        block, walked, run = walk.block, walk.walked, walk.found // walk.block
+        for i in indices[1:]:
+            walk = walks[i]
+            walked, run = min(walked, walk.walked), min(run, walk.found // block)
+        runs[k] = _Run(block, min(run, walked), walked)
     return runs
 
 
-def pool_cache(block_pool, block_hashes: Sequence, model: CoordinatorModel,
-               members: Sequence[Sequence[int]] | None = None, spec_groups=(),
+def pool_cache(coordinator: KVCacheCoordinator, block_hashes: Sequence, model: CoordinatorModel,
+               members: Sequence[Sequence[int]] | None = None,
                walks: Sequence[_Walk | None] = ()) -> PoolCache:
     """The :class:`PoolCache` of a request on ``model``'s spec groups (or on ``members``), given the walks
-    the lookup made of vLLM's ``spec_groups`` (:func:`_walks`)."""
+    the lookup made of the coordinator's spec groups (:func:`_walks`)."""
     if not walks:
         runs = {}
     elif members is None:
         runs = known_runs(model.walked, walks)
     else:
-        runs = known_runs(walk_sources(members, spec_groups), walks)
+        sources = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
+        runs = known_runs(sources, walks)
     members = model.members if members is None else members
-    return PoolCache(block_pool, block_hashes, model.sizes.hash_block, members, runs)
+    return PoolCache(coordinator.block_pool, block_hashes, model.sizes.hash_block, members, runs)
+
+
+def _block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
+    """Per KV-cache group id, its manager's block size (scaled by DCP when sharded)."""
+    return [manager.block_size for manager in coordinator.single_type_managers]
 
 
 def _n_tokens(model: CoordinatorModel, block_hashes: Sequence, max_cache_hit_length: int) -> int:
@@ -544,7 +554,7 @@ def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, bloc
         _Stock: see :func:`_n_tokens`.
     """
     n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
-    cache = pool_cache(coordinator.block_pool, block_hashes, model)
+    cache = pool_cache(coordinator, block_hashes, model)
     hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
     return cache, hit, reach
 
@@ -657,7 +667,7 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
     n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
     spec_groups, alignment = _spec_groups(coordinator)
     walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
-    cache = pool_cache(coordinator.block_pool, block_hashes, model, walks=walks)
+    cache = pool_cache(coordinator, block_hashes, model, walks=walks)
     hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
     out: list[list] = [[] for _ in coordinator.single_type_managers]
     for spec_group, walk in zip(spec_groups, walks):
@@ -678,7 +688,7 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
     if tuple(first) != model.members[k]:
         members = list(model.members)
         members[k] = tuple(first)
-        cache = pool_cache(coordinator.block_pool, block_hashes, model, members, spec_groups, walks)
+        cache = pool_cache(coordinator, block_hashes, model, members, walks)
     longest = group_reference_hit(model, cache, k, min(max_cache_hit_length, reach), reach)
     if longest < hit:
         raise _Inconsistent(f"the first spec group alone serves {longest} < the reference hit {hit}")
@@ -691,7 +701,7 @@ def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: Coordi
     hit (at most the cap and the hashes) and vLLM's blocks for it."""
     spec_groups, alignment = _spec_groups(coordinator)
     walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
-    cache = pool_cache(coordinator.block_pool, block_hashes, model, walks=walks)
+    cache = pool_cache(coordinator, block_hashes, model, walks=walks)
     reach = len(block_hashes) * model.sizes.hash_block
     bound = min(max_cache_hit_length, reach)
     hits = [group_reference_hit(model, cache, k, bound, reach) for k in range(len(model.sizes.groups))]

@@ -103,8 +103,8 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
             hashes, cap = request.block_hashes, len(tokens) - 1
             spec_groups, alignment = v0_33._spec_groups(coordinator)
             walks = v0_33._walks(coordinator, spec_groups, hashes, cap, alignment)
-            walked = v0_33.pool_cache(coordinator.block_pool, hashes, model, walks=walks)
-            asked = v0_33.pool_cache(coordinator.block_pool, hashes, model)
+            walked = v0_33.pool_cache(coordinator, hashes, model, walks=walks)
+            asked = v0_33.pool_cache(coordinator, hashes, model)
             assert walked.runs and not asked.runs, "every catalogue layout but chunked has full attention"
             for kk, run in walked.runs.items():
                 for limit in range(len(hashes) * model.sizes.hash_block // run.block + 2):
@@ -112,8 +112,8 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
                     want = asked.run_from(kk, 0, run.block, limit)
                     assert got == want and walked.max_query == asked.max_query, (kk, run, limit, got, want)
                     checked += 1
-            fresh = [v0_33.pool_cache(coordinator.block_pool, hashes, model, walks=walks),
-                     v0_33.pool_cache(coordinator.block_pool, hashes, model)]
+            fresh = [v0_33.pool_cache(coordinator, hashes, model, walks=walks),
+                     v0_33.pool_cache(coordinator, hashes, model)]
             hits = [R.hit_tokens(c, model.sizes, len(tokens), R.REFERENCE) for c in fresh]
             assert hits[0] == hits[1] and fresh[0].max_query == fresh[1].max_query, (len(tokens), hits)
             reach = len(hashes) * model.sizes.hash_block
