@@ -24,9 +24,12 @@ Seams (each restored by :func:`uninstall`):
 
 An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_length = N - 1``)::
 
-    hit = refimpl.hit_tokens(CacheState(has), sizes, N, REFERENCE)   # has(k, x): BlockPool.get_cached_block
+    for each of vLLM's full-attention spec groups:                   # the prefix, walked once
+        walk = manager_cls.find_longest_cache_hit(max_length=vLLM's first-pass bound, no drop)
+    hit = refimpl.hit_tokens(PoolCache(walks), sizes, N, REFERENCE)  # leading runs: the walks'; other
+                                                                     # queries: BlockPool.get_cached_block
     for each of vLLM's spec groups:                                  # blocks come from vLLM's own finders
-        full attention: manager_cls.find_longest_cache_hit(max_length=hit), blocks cut to cdiv(hit, block)
+        full attention: the walk's blocks cut to cdiv(hit, block)
         other kinds:    manager_cls.find_longest_cache_hit(max_length=hit), which must return exactly hit
     num_uncached = (reference hit of the first spec group alone) - hit   # vLLM: its first lookup's result
 
@@ -46,6 +49,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 from fractions import Fraction
 
 from prometheus_client import Counter
@@ -132,6 +136,8 @@ class CoordinatorModel:
         label: a short description for logs and metric labels.
         write: the reference write side for this layout, or None when it is left to vLLM
             (``write_note`` says why).
+        walked: the spec groups whose leading run a lookup's walks of vLLM's full-attention groups give,
+            with those groups' indices in vLLM's lookup order (:func:`walk_sources`).
     """
 
     layout: Layout
@@ -142,6 +148,7 @@ class CoordinatorModel:
     label: str
     write: WriteModel | None = None
     write_note: str = ""
+    walked: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def unitary(self) -> bool:
@@ -357,8 +364,10 @@ def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
                 raise Unmodelled(f"{layout.name}: group {gid} drops in vLLM: {vllm_drops[gid]}, "
                                  f"in the spec: {sg.drops}")
     write, write_note = _write_side(coordinator, sizes, layout.name)
-    return CoordinatorModel(layout, speculation, sizes, tuple(tuple(sg.members) for sg in sizes.groups),
-                            tuple(spec_group_of), layout.name, write, write_note)
+    members = tuple(tuple(sg.members) for sg in sizes.groups)
+    walked = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
+    return CoordinatorModel(layout, speculation, sizes, members, tuple(spec_group_of), layout.name, write,
+                            write_note, walked)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,40 +383,155 @@ class _Inconsistent(Exception):
     """vLLM's finders cannot provide blocks for the reference hit: a spec/vLLM disagreement."""
 
 
-def pool_cache(block_pool, block_hashes: Sequence, model: CoordinatorModel,
-               members: Sequence[Sequence[int]] | None = None) -> CacheState:
-    """The cache a request sees: spec group ``k`` has boundary ``x`` when the request's block hash ending
-    at ``x`` is cached for every KV-cache group of ``k`` (vLLM: ``BlockPool.get_cached_block``).
+class _Walk(NamedTuple):
+    """One of vLLM's full-attention spec groups looked up by its own finder (:func:`_walk_full_attention`).
+
+    Attributes:
+        group_ids: its KV-cache group ids.
+        block: its block (the manager's, scaled by DCP when sharded).
+        blocks, found: what ``FullAttentionManager.find_longest_cache_hit`` returned.
+        walked: how many blocks from block 0 the finder looked at: it found ``found // block`` of them
+            cached, so when that is less than ``walked`` block ``found // block`` is not.
+    """
+
+    group_ids: list[int]
+    block: int
+    blocks: tuple[list, ...]
+    found: int
+    walked: int
+
+
+class _Run(NamedTuple):
+    """A spec group's leading run of cached blocks of ``block`` tokens as vLLM's finders walked it: the
+    first ``run`` blocks are cached; block ``run`` is not when ``run < walked``, else unknown."""
+
+    block: int
+    run: int
+    walked: int
+
+
+class PoolCache(CacheState):
+    """The cache a request sees in vLLM's block pool: spec group ``k`` has boundary ``x`` when the
+    request's block hash ending at ``x`` is cached for every KV-cache group of ``k`` (vLLM:
+    ``BlockPool.get_cached_block``).
+
+    The pool is asked only what the refimpl asks, once (answers are memoised: the pool does not change during
+    a lookup). A full-attention group's leading run, which the refimpl reads from block 0 and which is most
+    of a lookup's work on a long prompt, is the run vLLM's own finder already walked (``runs``), extended
+    through the pool only past where that walk stopped; ``run_from`` and ``max_query`` are what the loop
+    over ``has`` would give (``tests/adapter/test_pool_cache.py``).
 
     Args:
-        members: per spec group, the KV-cache group ids to ask for (default: the model's).
-
-    Answers are memoised for the lookup (the pool does not change during it).
+        members: per spec group, the KV-cache group ids to ask for.
+        runs: per spec group whose leading run vLLM walked, that run.
     """
-    h = model.sizes.hash_block
-    n = len(block_hashes)
-    members = [list(m) for m in (model.members if members is None else members)]
-    get_cached_block = block_pool.get_cached_block
-    memo: dict[tuple[int, int], bool] = {}
 
-    def has(k: int, x: int) -> bool:
-        key = (k, x)
-        found = memo.get(key)
-        if found is None:
-            j, rest = divmod(x, h)
-            if rest:
-                raise ValueError(f"boundary {x} is not a multiple of the hash unit {h}")
-            found = 0 < j <= n and get_cached_block(block_hashes[j - 1], members[k]) is not None
-            memo[key] = found
-        return found
+    def __init__(self, block_pool, block_hashes: Sequence, hash_block: int,
+                 members: Sequence[Sequence[int]], runs: dict[int, _Run] | None = None) -> None:
+        n = len(block_hashes)
+        members = [list(m) for m in members]
+        get_cached_block = block_pool.get_cached_block
+        memo: dict[tuple[int, int], bool] = {}
 
-    return CacheState(has)
+        def has(k: int, x: int) -> bool:
+            key = (k, x)
+            found = memo.get(key)
+            if found is None:
+                j, rest = divmod(x, hash_block)
+                if rest:
+                    raise ValueError(f"boundary {x} is not a multiple of the hash unit {hash_block}")
+                found = 0 < j <= n and get_cached_block(block_hashes[j - 1], members[k]) is not None
+                memo[key] = found
+            return found
+
+        super().__init__(has)
+        self.runs = runs or {}
+
+    def run_from(self, k, start, unit, limit):
+        """``CacheState.run_from``; from block 0 of a walked group, the walk's answer."""
+        known = self.runs.get(k)
+        if known is None or start != 0 or unit != known.block:
+            return super().run_from(k, start, unit, limit)
+        if known.run == known.walked and limit > known.walked:
+            return known.run + super().run_from(k, known.run, unit, limit)
+        n = max(0, min(known.run, limit))
+        last = (n + 1) * unit if n < limit else n * unit  # the boundary the loop would have asked last
+        if last > self.max_query:
+            self.max_query = last
+        return n
 
 
-def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
-                  max_cache_hit_length: int) -> tuple[CacheState, int, int]:
-    """``(cache, hit, reach)`` of the reference policy for a request whose lookup vLLM capped at
-    ``max_cache_hit_length``.
+class _OneGroup(CacheState):
+    """Spec group ``k`` of ``cache`` as the only group of a one-group layout: its queries go to ``cache``
+    (and are accounted in its ``max_query``)."""
+
+    def __init__(self, cache: CacheState, k: int) -> None:
+        super().__init__(lambda _, x: cache.has(k, x))
+        self.cache, self.k = cache, k
+
+    def run_from(self, _, start, unit, limit):
+        return self.cache.run_from(self.k, start, unit, limit)
+
+    def window(self, _, x, unit, before, after):
+        return self.cache.window(self.k, x, unit, before, after)
+
+
+def walk_sources(members: Sequence[Sequence[int]], spec_groups,
+                 block_of: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``(k, indices)`` for each spec group ``k`` whose KV-cache groups ``members[k]`` are exactly those of
+    vLLM full-attention spec groups ``spec_groups[i]`` (``i`` in ``indices``) of one block size
+    (``block_of[group id]``): the spec groups whose leading run the lookup's walks give
+    (:func:`_walk_full_attention`)."""
+    full = [(i, set(g[1])) for i, g in enumerate(spec_groups) if isinstance(g[0], FullAttentionSpec)]
+    sources = []
+    for k, ids in enumerate(members):
+        ids = set(ids)
+        inside = [(i, gids) for i, gids in full if gids <= ids]
+        if (inside and set().union(*(gids for _, gids in inside)) == ids
+                and len({block_of[gid] for gid in ids}) == 1):
+            sources.append((k, tuple(i for i, _ in inside)))
+    return tuple(sources)
+
+
+def known_runs(sources: Sequence[tuple[int, Sequence[int]]],
+               walks: Sequence[_Walk | None]) -> dict[int, _Run]:
+    """Per spec group of ``sources`` (see :func:`walk_sources`), its leading run from ``walks`` (one per
+    vLLM spec group): the shortest of its walks' runs (a block is cached for the spec group when it is for
+    every walk), known past where the first of them stopped looking only if none stopped earlier."""
+    runs = {}
+    for k, indices in sources:
+        walk = walks[indices[0]]
+        block, walked, run = walk.block, walk.walked, walk.found // walk.block
+        for i in indices[1:]:
+            walk = walks[i]
+            walked, run = min(walked, walk.walked), min(run, walk.found // block)
+        runs[k] = _Run(block, min(run, walked), walked)
+    return runs
+
+
+def pool_cache(coordinator: KVCacheCoordinator, block_hashes: Sequence, model: CoordinatorModel,
+               members: Sequence[Sequence[int]] | None = None,
+               walks: Sequence[_Walk | None] = ()) -> PoolCache:
+    """The :class:`PoolCache` of a request on ``model``'s spec groups (or on ``members``), given the walks
+    the lookup made of the coordinator's spec groups (:func:`_walks`)."""
+    if not walks:
+        runs = {}
+    elif members is None:
+        runs = known_runs(model.walked, walks)
+    else:
+        sources = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
+        runs = known_runs(sources, walks)
+    members = model.members if members is None else members
+    return PoolCache(coordinator.block_pool, block_hashes, model.sizes.hash_block, members, runs)
+
+
+def _block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
+    """Per KV-cache group id, its manager's block size (scaled by DCP when sharded)."""
+    return [manager.block_size for manager in coordinator.single_type_managers]
+
+
+def _n_tokens(model: CoordinatorModel, block_hashes: Sequence, max_cache_hit_length: int) -> int:
+    """``N`` of a lookup vLLM capped at ``N - 1``.
 
     Raises:
         _Stock: the cap is not ``N - 1`` for a request with these block hashes (a KV connector's cap);
@@ -418,7 +542,19 @@ def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, bloc
         raise _Stock(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
                      f"{len(block_hashes)} block hashes: the cap is not N - 1 (a KV connector's cap); "
                      "the spec models only N - 1")
-    cache = pool_cache(coordinator.block_pool, block_hashes, model)
+    return n_tokens
+
+
+def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
+                  max_cache_hit_length: int) -> tuple[PoolCache, int, int]:
+    """``(cache, hit, reach)`` of the reference policy for a request whose lookup vLLM capped at
+    ``max_cache_hit_length`` (shadow mode: every query goes to the pool).
+
+    Raises:
+        _Stock: see :func:`_n_tokens`.
+    """
+    n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
+    cache = pool_cache(coordinator, block_hashes, model)
     hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
     return cache, hit, reach
 
@@ -427,9 +563,18 @@ def group_reference_hit(model: CoordinatorModel, cache: CacheState, k: int, boun
     """The reference hit of spec group ``k`` on its own: the longest multiple of ``A`` at most ``bound``
     that the group serves (``refimpl.reference_pass`` over a layout of that one spec group)."""
     alone = dataclasses.replace(model.sizes, groups=(model.sizes.groups[k],))
-    has = cache.has
-    one = CacheState(lambda _, x: has(k, x))
+    one = _OneGroup(cache, k)
     return reference_pass(one, alone, bound, group_extents(one, alone, reach), reach, REFERENCE)
+
+
+def _spec_groups(coordinator: KVCacheCoordinator) -> tuple[list[tuple], int]:
+    """vLLM's spec groups as its coordinator looks them up, ``(spec, group_ids, manager_cls, use_eagle)``,
+    and its alignment. The Unitary coordinator's one group is looked up at the cap without the EAGLE margin
+    (its ``use_eagle`` here is False: it only adds the margin, kvhit never passes vLLM's drop)."""
+    if isinstance(coordinator, UnitaryKVCacheCoordinator):
+        manager = coordinator.single_type_managers[0]
+        return [(coordinator.kv_cache_spec, [0], type(manager), False)], coordinator.block_size
+    return coordinator.attention_groups, coordinator._cache_hit_alignment_tokens
 
 
 def _lookup(coordinator: KVCacheCoordinator, spec, group_ids: list[int], manager_cls,
@@ -449,35 +594,56 @@ def _lookup(coordinator: KVCacheCoordinator, spec, group_ids: list[int], manager
     )
 
 
-def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, block_hashes: Sequence, hit: int,
-                       max_cache_hit_length: int, alignment: int):
-    """The blocks of one of vLLM's spec groups for a hit of ``hit`` tokens, from vLLM's finder.
+def _walk_full_attention(coordinator: KVCacheCoordinator, spec_group, block_hashes: Sequence,
+                         max_cache_hit_length: int, alignment: int) -> _Walk:
+    """One full-attention spec group looked up by vLLM's ``FullAttentionManager.find_longest_cache_hit``
+    as vLLM's first pass bounds it (the cap; an EAGLE group the cap plus its margin, within the hashes),
+    without the drop and aligned to at most its block, so that it returns the group's leading run of
+    cached blocks (at hash granularity, also the highest cached boundary inside the next block, as vLLM's
+    own pass finds it) with their blocks. The lookup's one walk of the prefix: the refimpl reads the run
+    from it (:class:`PoolCache`) and the group's blocks are cut from it (:func:`_spec_group_blocks`)::
 
-    Full attention is downward-closed: it is looked up as vLLM's first pass looks it up (an EAGLE group
-    at the cap plus its margin, dropping) and cut to ``cdiv(hit, block)`` blocks, as vLLM's Hybrid
-    coordinator cuts it, so the blocks are vLLM's whenever the hits agree. If that lookup stops short of
-    ``hit`` (the reference may rely on a hash-granular entry past the cap), the group's whole cached
-    prefix within the hashes is looked up instead. Other kinds are looked up at ``hit`` without the drop
-    (a verified EAGLE group in vLLM's loop is too) and must land on it.
+        |  cached blocks (run)  | tail? |            found = run * b (+ the partial tail)
+        0                              walked * b    the blocks the finder looked at
     """
     spec, group_ids, manager_cls, use_eagle = spec_group
-    if isinstance(spec, FullAttentionSpec):
-        manager = coordinator.single_type_managers[group_ids[0]]
-        reach = len(block_hashes) * coordinator.block_pool.hash_block_size
-        max_length = max_cache_hit_length
-        if use_eagle:
-            margin = eagle_proof_margin(
-                manager.block_size, coordinator.block_pool.hash_block_size,
-                coordinator.enable_partial_hash_hits and manager_cls.supports_fine_grained_hash_lookup)
-            max_length = min(max_cache_hit_length + margin, reach)
-        blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, max_length,
-                                use_eagle, alignment)
+    manager = coordinator.single_type_managers[group_ids[0]]
+    block = manager.block_size
+    h = coordinator.block_pool.hash_block_size
+    reach = len(block_hashes) * h
+    max_length = max_cache_hit_length
+    if use_eagle:
+        margin = eagle_proof_margin(
+            block, h, coordinator.enable_partial_hash_hits and manager_cls.supports_fine_grained_hash_lookup)
+        max_length = min(max_cache_hit_length + margin, reach)
+    unit = min(alignment, block)  # vLLM's alignment when finer than the block (hash granularity)
+    if block % unit:
+        raise _Inconsistent(f"full-attention groups {group_ids}: block {block} is not a multiple of the "
+                            f"alignment {unit}")
+    blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, max_length, False, unit)
+    return _Walk(group_ids, block, blocks, found, min(max_length, reach) // block)
+
+
+def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, walk: _Walk | None,
+                       block_hashes: Sequence, hit: int, alignment: int):
+    """The blocks of one of vLLM's spec groups for a hit of ``hit`` tokens, from vLLM's finder.
+
+    Full attention is downward-closed: its walk's blocks are cut to ``cdiv(hit, block)``, as vLLM's Hybrid
+    coordinator cuts them; blocks are the pool's for the request's hashes, so they are vLLM's whenever the
+    hits agree. If the walk stops short of ``hit`` (the reference may rely on a hash-granular entry past
+    the cap), the group's whole cached prefix within the hashes is looked up instead. Other kinds are
+    looked up at ``hit`` without the drop (a verified EAGLE group in vLLM's loop is too) and must land on it.
+    """
+    spec, group_ids, manager_cls, _ = spec_group
+    if walk is not None:
+        blocks, found = walk.blocks, walk.found
         if found < hit:
+            reach = len(block_hashes) * coordinator.block_pool.hash_block_size
             blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, reach, False,
-                                    alignment)
+                                    min(alignment, walk.block))
         if found < hit:
             raise _Inconsistent(f"full-attention groups {group_ids} serve {found} < reference hit {hit}")
-        keep = cdiv(hit, manager.block_size)
+        keep = cdiv(hit, walk.block)
         for group_blocks in blocks:
             del group_blocks[keep:]
         return blocks
@@ -488,38 +654,41 @@ def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, block_hashes
     return blocks
 
 
+def _walks(coordinator: KVCacheCoordinator, spec_groups, block_hashes: Sequence, max_cache_hit_length: int,
+           alignment: int) -> list[_Walk | None]:
+    """Per vLLM spec group, its :func:`_walk_full_attention` (None for other kinds)."""
+    return [_walk_full_attention(coordinator, g, block_hashes, max_cache_hit_length, alignment)
+            if isinstance(g[0], FullAttentionSpec) else None for g in spec_groups]
+
+
 def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
                  max_cache_hit_length: int):
     """``find_longest_cache_hit`` under the reference policy: ``(blocks per group, hit, num_uncached)``."""
-    cache, hit, reach = reference_hit(coordinator, model, block_hashes, max_cache_hit_length)
-    if model.unitary:
-        # vLLM's Unitary lookup drops after capping; look the group up without the drop instead.
-        spec_group = (coordinator.kv_cache_spec, [0], type(coordinator.single_type_managers[0]), False)
-        blocks = _spec_group_blocks(coordinator, spec_group, block_hashes, hit, max_cache_hit_length,
-                                    coordinator.block_size)
-        return blocks, hit, 0
-    alignment = coordinator._cache_hit_alignment_tokens
+    n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
+    spec_groups, alignment = _spec_groups(coordinator)
+    walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
+    cache = pool_cache(coordinator, block_hashes, model, walks=walks)
+    hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
     out: list[list] = [[] for _ in coordinator.single_type_managers]
-    for spec_group in coordinator.attention_groups:
-        blocks = _spec_group_blocks(coordinator, spec_group, block_hashes, hit, max_cache_hit_length,
-                                    alignment)
-        for gid, group_blocks in zip(spec_group.group_ids, blocks):
+    for spec_group, walk in zip(spec_groups, walks):
+        blocks = _spec_group_blocks(coordinator, spec_group, walk, block_hashes, hit, alignment)
+        for gid, group_blocks in zip(spec_group[1], blocks):
             out[gid] = group_blocks
-    if model.write is not None:
-        # The reference write side records no junction (refimpl.junction_of: the reference lookup has no
-        # longer intermediate candidate than its hit): the replay boundaries already keep every state a
-        # repeat resumes at.
+    if model.unitary or model.write is not None:
+        # Unitary: one group, nothing lags it. The reference write side records no junction
+        # (refimpl.junction_of: the reference lookup has no longer intermediate candidate than its hit): the
+        # replay boundaries already keep every state a repeat resumes at.
         return tuple(out), hit, 0
     # vLLM's write side: vLLM reports the prefix its first lookup found (its first spec group: full
     # attention when there is any) beyond the hit as an uncached shared prefix; the write side pins that
     # junction for the lagging sparse groups. The spec may merge more KV-cache groups into that spec group
     # than vLLM does, so the first group is asked about with vLLM's members.
-    first = coordinator.attention_groups[0].group_ids
+    first = spec_groups[0][1]
     k = model.spec_group_of[first[0]]
     if tuple(first) != model.members[k]:
         members = list(model.members)
         members[k] = tuple(first)
-        cache = pool_cache(coordinator.block_pool, block_hashes, model, members)
+        cache = pool_cache(coordinator, block_hashes, model, members, walks)
     longest = group_reference_hit(model, cache, k, min(max_cache_hit_length, reach), reach)
     if longest < hit:
         raise _Inconsistent(f"the first spec group alone serves {longest} < the reference hit {hit}")
@@ -530,18 +699,18 @@ def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: Coordi
                             block_hashes: Sequence, max_cache_hit_length: int):
     """``find_longest_cache_hit_per_group`` under the reference policy: each spec group's own reference
     hit (at most the cap and the hashes) and vLLM's blocks for it."""
-    cache = pool_cache(coordinator.block_pool, block_hashes, model)
+    spec_groups, alignment = _spec_groups(coordinator)
+    walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
+    cache = pool_cache(coordinator, block_hashes, model, walks=walks)
     reach = len(block_hashes) * model.sizes.hash_block
     bound = min(max_cache_hit_length, reach)
     hits = [group_reference_hit(model, cache, k, bound, reach) for k in range(len(model.sizes.groups))]
-    alignment = coordinator._cache_hit_alignment_tokens
     out_blocks: list[list] = [[] for _ in coordinator.single_type_managers]
     out_hits = [0] * len(coordinator.single_type_managers)
-    for spec_group in coordinator.attention_groups:
-        hit = hits[model.spec_group_of[spec_group.group_ids[0]]]
-        blocks = _spec_group_blocks(coordinator, spec_group, block_hashes, hit, max_cache_hit_length,
-                                    alignment)
-        for gid, group_blocks in zip(spec_group.group_ids, blocks):
+    for spec_group, walk in zip(spec_groups, walks):
+        hit = hits[model.spec_group_of[spec_group[1][0]]]
+        blocks = _spec_group_blocks(coordinator, spec_group, walk, block_hashes, hit, alignment)
+        for gid, group_blocks in zip(spec_group[1], blocks):
             out_blocks[gid] = group_blocks
             out_hits[gid] = hit
     return tuple(out_blocks), tuple(out_hits)

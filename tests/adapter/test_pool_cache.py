@@ -1,0 +1,123 @@
+"""The enforced lookup reads a full-attention group's leading run from vLLM's own walk of it instead of
+asking the pool again (``v0_33.PoolCache``); it must answer every query as the pool itself would.
+
+Two comparisons: the run arithmetic on a made-up pool, against ``refimpl.CacheState``'s loop over the
+same boundaries; and on vLLM's real block pool after request streams with eviction, a cache told the
+walks of vLLM's ``FullAttentionManager.find_longest_cache_hit`` against one that asks the pool for
+everything, query by query and hit by hit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvhit.adapters.vllm as kvhit_vllm
+import kvhit.refimpl as R
+from kvhit.adapters.vllm import v0_33
+from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
+from tests.conformance.vllm_harness import VllmHarness
+
+
+class _Pool:
+    """A block pool holding the hashes in ``cached`` (every KV-cache group alike)."""
+
+    def __init__(self, cached):
+        self.cached = cached
+
+    def get_cached_block(self, block_hash, group_ids):
+        return [block_hash] * len(group_ids) if block_hash in self.cached else None
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.data(), h=st.integers(1, 4), scale=st.integers(1, 4), n_hashes=st.integers(0, 60))
+def test_walked_run_answers_run_from_like_the_loop_over_the_pool(data, h, scale, n_hashes):
+    """Any boundaries cached, a walk that saw the first ``walked`` blocks: ``run_from`` (from block 0 at
+    the walk's block, or anything else) and ``max_query`` equal ``CacheState``'s loop over ``has``."""
+    block = h * scale
+    cached = set(data.draw(st.lists(st.integers(0, n_hashes), max_size=n_hashes)))
+    if data.draw(st.booleans()):  # a long leading run, as the pool holds after a request
+        cached |= set(range(data.draw(st.integers(0, n_hashes))))
+    hashes = list(range(n_hashes))  # hash j ends at token (j + 1) * h
+    truth = R.CacheState(lambda _, x: 0 < x // h <= n_hashes and x // h - 1 in cached)
+    n_blocks = n_hashes * h // block
+    walked = data.draw(st.integers(0, n_blocks))
+    run = truth.run_from(0, 0, block, walked)  # what the finder finds, looking at `walked` blocks
+    cache = v0_33.PoolCache(_Pool(cached), hashes, h, [[0]], {0: v0_33._Run(block, run, walked)})
+    truth = R.CacheState(truth.has)
+    for _ in range(8):
+        if data.draw(st.booleans()):
+            start, unit = 0, block
+        else:
+            start, unit = data.draw(st.integers(0, 6)), h * data.draw(st.integers(1, 4))
+        limit = data.draw(st.integers(-1, n_blocks + 3))
+        got, want = cache.run_from(0, start, unit, limit), truth.run_from(0, start, unit, limit)
+        assert got == want, (start, unit, limit, got, want)
+        assert cache.max_query == truth.max_query
+
+
+# (catalogue layout, DCP, speculative mode, speculative tokens): full-attention groups walked at block
+# granularity (full16: the Unitary coordinator), at hash granularity (pmu160, three_kind), merged in the
+# spec (dsv4), EAGLE groups walked with their margin, sharded by DCP.
+CASES = [
+    ("full16", 1, "drop", 1), ("full16", 1, "none", 1), ("llama_eagle", 2, "drop", 1),
+    ("gemma", 1, "lookahead", 1), ("qwen3next", 1, "drop", 2), ("qwen3next", 4, "drop", 1),
+    ("qwen3next_pmu160", 1, "drop", 1), ("qwen3next_pmu160", 1, "none", 1), ("three_kind", 1, "drop", 1),
+    ("dsv4_cuda", 1, "drop", 1), ("dsv4_report", 1, "lookahead", 1),
+]
+
+
+@pytest.mark.parametrize("name, dcp, mode, k", CASES, ids=[f"{c[0]}-dcp{c[1]}-{c[2]}{c[3]}" for c in CASES])
+def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
+    """Serve, evict, serve a sibling: for repeats, prefixes, siblings and extensions, the cache that
+    knows vLLM's walks gives every leading run, ``max_query`` and the reference hit (also of each spec
+    group alone) that the cache asking the pool gives."""
+    assert kvhit_vllm.install("enforce")
+    layout = refimpl_layout(name, dcp)
+    s = R.derive_sizes(layout, speculation("none")).scheduler_block
+    n = {"dsv4_report": 40000, "dsv4_cuda": 3000, "full16": 1000, "llama_eagle": 1000, "gemma": 1000}
+    n = n.get(name, 11910)
+    harness = VllmHarness(harness_layout(name, dcp), mode, num_speculative_tokens=k, multi_module_mtp=k > 1,
+                          retention_interval=0, max_model_len=n + 2 * s + 64)
+    coordinator = harness.manager.coordinator
+    model = v0_33._models[coordinator]
+    rng = random.Random(f"{name}/{dcp}/{mode}")
+    base = [rng.randrange(1, 50000) for _ in range(n)]
+    sibling = base[: n // 2 + 5] + [rng.randrange(1, 50000) for _ in range(n - n // 2)]
+    # A prefix ending on a scheduler block: without lookahead its hashes reach one block past vLLM's cap
+    # of N - 1, so the reference reads one block past the walk.
+    prompts = (base, sibling, base[: n // 3 + 1], base[: n // 2 // s * s],
+               base + [rng.randrange(1, 50000) for _ in range(s + 9)])
+    harness.serve(base)
+    checked = 0
+    for step in range(3):
+        if step == 1:
+            harness.evict(rng.randrange(1, 30))
+        if step == 2:
+            harness.serve(sibling)
+        for tokens in prompts:
+            request = harness._new_request(tokens)
+            hashes, cap = request.block_hashes, len(tokens) - 1
+            spec_groups, alignment = v0_33._spec_groups(coordinator)
+            walks = v0_33._walks(coordinator, spec_groups, hashes, cap, alignment)
+            walked = v0_33.pool_cache(coordinator, hashes, model, walks=walks)
+            asked = v0_33.pool_cache(coordinator, hashes, model)
+            assert walked.runs and not asked.runs, "every catalogue layout but chunked has full attention"
+            for kk, run in walked.runs.items():
+                for limit in range(len(hashes) * model.sizes.hash_block // run.block + 2):
+                    got = walked.run_from(kk, 0, run.block, limit)
+                    want = asked.run_from(kk, 0, run.block, limit)
+                    assert got == want and walked.max_query == asked.max_query, (kk, run, limit, got, want)
+                    checked += 1
+            fresh = [v0_33.pool_cache(coordinator, hashes, model, walks=walks),
+                     v0_33.pool_cache(coordinator, hashes, model)]
+            hits = [R.hit_tokens(c, model.sizes, len(tokens), R.REFERENCE) for c in fresh]
+            assert hits[0] == hits[1] and fresh[0].max_query == fresh[1].max_query, (len(tokens), hits)
+            reach = len(hashes) * model.sizes.hash_block
+            for kk in range(len(model.sizes.groups)):
+                alone = [v0_33.group_reference_hit(model, c, kk, min(cap, reach), reach) for c in fresh]
+                assert alone[0] == alone[1], (len(tokens), kk, alone)
+    assert checked
