@@ -1,0 +1,338 @@
+"""Serve prompts through vLLM 0.33's real ``Scheduler``, built the way ``EngineCore`` builds it, in a process
+of its own; ``tests/adapter/test_scheduler_plugin.py`` runs it once per plugin mode and compares.
+
+    python -m tests.adapter.scheduler_run OUT.json MODELS_DIR [--load-plugins] [--vllm-version V]
+
+What is vLLM's own code here: ``ModelConfig`` / ``SpeculativeConfig`` / ``VllmConfig`` built from local
+``config.json`` files (no weights, no network), the KV-cache planner (``get_global_kv_cache_groups``,
+``get_kv_cache_configs``, ``generate_scheduler_kv_cache_config``) and the block-size resolution as
+``EngineCore._initialize_kv_caches`` runs them, the ``Scheduler`` itself, the request block hasher
+``EngineCore`` makes, and vLLM's plugin loader (``--load-plugins``: ``vllm.plugins.load_general_plugins()``,
+what ``EngineCore.__init__`` calls first; without it kvhit is never imported).
+
+What stands in for the GPU worker: the per-layer KV-cache specs a model's layers would report
+(``Attention.get_kv_cache_spec`` / ``MambaBase.get_kv_cache_spec``; building the layers needs the model's
+kernels), the KV-cache memory layout they support (it places bytes, not prefixes), a fixed memory budget
+instead of profiling, and the model runner's outputs: every step that completes a request's known tokens
+samples ``SAMPLED_TOKEN_ID``, the drafter then proposes ``k`` tokens ``DRAFT_TOKEN_ID`` and the next step
+rejects them all (as vLLM's scheduler tests feed ``ModelRunnerOutput`` and ``DraftTokenIds``). The platform
+is vLLM's CPU platform (``VLLM_TARGET_DEVICE=cpu``); the core install has no kernels, none is called.
+
+A scenario serves its prompt lengths in order, one request at a time; equal lengths are the same prompt, so
+the second is the first repeat.
+
+Writes one JSON document: per scenario the KV-cache groups the planner made, the sizes the scheduler
+resolved, each served request's ``num_cached_tokens`` (``EngineCoreOutput.prefill_stats``, what the API
+reports as ``cached_tokens``) with the hash boundaries the block pool held for its prompt just before it
+was added, and a trace of every ``SchedulerOutput`` and ``EngineCoreOutput``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+# Token ids the stand-in model runner produces; prompts avoid them (see ``_prompt``).
+SAMPLED_TOKEN_ID = 0
+DRAFT_TOKEN_ID = 1
+DECODE_STEPS = 3
+
+# A tiny Llama target and an EAGLE-1 draft head (tests/e2e/make_models.py writes the same shapes with weights).
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+    "num_hidden_layers": 2, "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+# A tiny Nemotron-H: Mamba-2 and attention layers, with two MTP modules (one attention layer each).
+_NEMOTRON_H = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 512,
+    "hidden_size": 128, "hybrid_override_pattern": "M*MM", "mtp_hybrid_override_pattern": "*-",
+    "num_nextn_predict_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 256, "ssm_state_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1,
+    "conv_kernel": 4, "expand": 1, "max_position_embeddings": 16384, "bos_token_id": 1, "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+MODELS = {
+    "llama": _LLAMA,
+    "llama_eagle_draft": {**_LLAMA, "num_hidden_layers": 1},
+    "nemotron_h_mtp": _NEMOTRON_H,
+}
+
+
+def _attention_layers(block_size: int, n_target: int, n_draft: int, num_kv_heads: int, head_size: int) -> dict:
+    import torch
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def spec(is_draft):
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                                 dtype=torch.float32, is_draft=is_draft)
+
+    layers = {f"model.layers.{i}.self_attn.attn": spec(False) for i in range(n_target)}
+    layers.update({f"draft.layers.{i}.self_attn.attn": spec(True) for i in range(n_draft)})
+    return layers
+
+
+def llama_eagle_layers(vllm_config) -> dict:
+    """Llama target (2 layers) + EAGLE-1 draft (1 layer), full attention at ``cache_config.block_size``."""
+    c = MODELS["llama"]
+    return _attention_layers(vllm_config.cache_config.block_size, c["num_hidden_layers"], 1,
+                             c["num_key_value_heads"], c["head_dim"])
+
+
+def nemotron_h_mtp_layers(vllm_config) -> dict:
+    """Nemotron-H (3 Mamba-2 layers, 1 attention layer) + its MTP modules (1 attention layer each), at one
+    block size for both kinds (``mamba_cache_mode="align"``) and one page size (the Mamba page padded to the
+    attention page, as ``HybridAttentionMambaModelConfig`` arranges)."""
+    import torch
+
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    c = MODELS["nemotron_h_mtp"]
+    block = vllm_config.cache_config.block_size
+    layers = _attention_layers(block, c["hybrid_override_pattern"].count("*"), c["num_nextn_predict_layers"],
+                               c["num_key_value_heads"], c["head_dim"])
+    page = next(iter(layers.values())).page_size_bytes
+    inner = c["mamba_num_heads"] * c["mamba_head_dim"]
+    conv_dim = inner + 2 * c["n_groups"] * c["ssm_state_size"]
+    for i in range(c["hybrid_override_pattern"].count("M")):
+        layers[f"model.layers.mamba{i}.mixer"] = MambaSpec(
+            block, ((conv_dim, c["conv_kernel"] - 1), (c["mamba_num_heads"], c["mamba_head_dim"],
+                                                      c["ssm_state_size"])),
+            (torch.float32, torch.float32), page_size_padded=page, mamba_cache_mode="align",
+            num_speculative_blocks=vllm_config.num_speculative_tokens)
+    return layers
+
+
+# name -> (target, speculative config (draft paths relative to the models folder), layer specs, block size,
+#          prompt lengths served in order)
+SCENARIOS = {
+    "eagle-drop": ("llama", {"method": "eagle", "model": "llama_eagle_draft", "num_speculative_tokens": 1,
+                             "disable_lookahead_block_hashes": True}, llama_eagle_layers, 16, (1024, 1024, 1024)),
+    "eagle-lookahead": ("llama", {"method": "eagle", "model": "llama_eagle_draft", "num_speculative_tokens": 1},
+                        llama_eagle_layers, 16, (1024, 1024, 1024)),
+    "mtp2-drop": ("nemotron_h_mtp", {"method": "mtp", "num_speculative_tokens": 2,
+                                     "disable_lookahead_block_hashes": True},
+                  nemotron_h_mtp_layers, 1600, (8000, 8000, 8000, 11910, 11910)),
+    "mtp2-lookahead": ("nemotron_h_mtp", {"method": "mtp", "num_speculative_tokens": 2},
+                       nemotron_h_mtp_layers, 1600, (8000, 8000, 8000, 11910, 11910)),
+}
+MAX_MODEL_LEN = 16384
+MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def write_models(models_dir: str) -> None:
+    """One folder with a ``config.json`` per model in ``MODELS``."""
+    for name, config in MODELS.items():
+        os.makedirs(os.path.join(models_dir, name), exist_ok=True)
+        with open(os.path.join(models_dir, name, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+
+
+def build_scheduler(name: str, models_dir: str):
+    """The ``Scheduler`` of scenario ``name`` and the block hasher ``EngineCore`` gives its requests."""
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    target, speculative, layers_of, block_size, _ = SCENARIOS[name]
+    model_config = ModelConfig(model=os.path.join(models_dir, target), skip_tokenizer_init=True,
+                               dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
+    parallel_config = ParallelConfig()
+    speculative = dict(speculative)
+    if "model" in speculative:
+        speculative["model"] = os.path.join(models_dir, speculative["model"])
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                                 mamba_cache_mode="align" if model_config.is_hybrid else "none"),
+        parallel_config=parallel_config,
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                                         max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
+        speculative_config=SpeculativeConfig(target_model_config=model_config,
+                                             target_parallel_config=parallel_config, **speculative),
+    )
+
+    # EngineCore._initialize_kv_caches, with the layers' specs, the layout list and a memory budget in place of
+    # what the workers report (the layout places bytes in memory; it plays no part in prefix caching).
+    layers = layers_of(vllm_config)
+    resolve_kv_cache_layout(vllm_config, [["LBNHC"]], list(layers.values()))
+    groups = get_global_kv_cache_groups(vllm_config, [layers])
+    page = sum(spec.page_size_bytes for spec in layers.values())
+    kv_cache_configs = get_kv_cache_configs(vllm_config, [layers], [page * (4 * MAX_MODEL_LEN // block_size + 8)],
+                                            groups)
+    kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    vllm_config.cache_config.block_size = min(
+        g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups if g.kv_cache_spec.prefix_cacheable)
+    vllm_config.validate_block_size()
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, block_size, hash_block_size)
+
+    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config), log_stats=True,
+                          block_size=block_size, hash_block_size=hash_block_size)
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    block_hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+    return scheduler, block_hasher
+
+
+def _prompt(name: str, n: int) -> list[int]:
+    rng = random.Random(f"{name}/{n}")
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def _retained(scheduler, request) -> list[list[int]]:
+    """Per KV-cache group, the boundaries ``(j + 1) * h`` whose block hash the pool holds for that group
+    (what a lookup of ``request`` can find; the conformance harness's ``VllmHarness.retained``)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    h = scheduler.hash_block_size
+    return [[(j + 1) * h for j, block_hash in enumerate(request.block_hashes)
+             if pool.get_cached_block(block_hash, [g]) is not None]
+            for g in range(len(scheduler.kv_cache_config.kv_cache_groups))]
+
+
+def _step_record(scheduler_output, engine_outputs) -> dict:
+    """What one step scheduled and reported, in plain data (block ids included)."""
+    new = [{"req_id": r.req_id, "block_ids": [list(g) for g in r.block_ids],
+            "num_computed_tokens": r.num_computed_tokens} for r in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    outputs = []
+    for engine_core_outputs in engine_outputs.values():
+        for o in engine_core_outputs.outputs:
+            stats = o.prefill_stats
+            outputs.append({"req_id": o.request_id, "new_token_ids": list(o.new_token_ids),
+                            "finish_reason": None if o.finish_reason is None else str(o.finish_reason),
+                            "prefill_stats": None if stats is None else vars(stats)})
+    return {
+        "num_scheduled_tokens": dict(scheduler_output.num_scheduled_tokens),
+        "scheduled_spec_decode_tokens": {k: list(v) for k, v in
+                                         scheduler_output.scheduled_spec_decode_tokens.items()},
+        "new_reqs": new,
+        "cached_reqs": {"req_ids": list(cached.req_ids),
+                        "new_block_ids": [None if b is None else [list(g) for g in b] for b in cached.new_block_ids],
+                        "num_computed_tokens": list(cached.num_computed_tokens)},
+        "outputs": outputs,
+    }
+
+
+def serve(scheduler, block_hasher, request_id: str, tokens: list[int], trace: list) -> dict:
+    """Add one request and step the scheduler until it finishes; returns its ``num_cached_tokens`` and the
+    pool's boundaries for its prompt at admission."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    request = Request(request_id, list(tokens), SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True), None,
+                      arrival_time=0.0, block_hasher=block_hasher)
+    retained = _retained(scheduler, request)
+    scheduler.add_request(request)
+    num_cached_tokens = None
+    k = scheduler.num_spec_tokens
+    while scheduler.has_unfinished_requests():
+        scheduler_output = scheduler.schedule()
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        # A partial prefill chunk samples nothing; otherwise one token, every draft rejected.
+        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN_ID] for r in req_ids]
+        engine_outputs = scheduler.update_from_output(scheduler_output, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled))
+        if k:
+            drafting = [r for r in req_ids if r in scheduler.requests]
+            scheduler.update_draft_token_ids(DraftTokenIds(drafting, [[DRAFT_TOKEN_ID] * k for _ in drafting]))
+        record = _step_record(scheduler_output, engine_outputs)
+        trace.append(record)
+        for o in record["outputs"]:
+            if o["req_id"] == request_id and o["prefill_stats"] is not None:
+                num_cached_tokens = o["prefill_stats"]["num_cached_tokens"]
+    assert num_cached_tokens is not None, f"{request_id}: no EngineCoreOutput carried prefill_stats"
+    return {"prompt_len": len(tokens), "num_cached_tokens": num_cached_tokens, "retained": retained}
+
+
+def run_scenario(name: str, models_dir: str) -> dict:
+    scheduler, block_hasher = build_scheduler(name, models_dir)
+    spec = scheduler.vllm_config.speculative_config
+    trace: list = []
+    served = [serve(scheduler, block_hasher, f"{name}-{i}", _prompt(name, n), trace)
+              for i, n in enumerate(SCENARIOS[name][4])]
+    return {
+        "kv_cache_groups": [{"spec": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
+                             "dcp_sharded": g.kv_cache_spec.dcp_sharded, "is_eagle_group": g.is_eagle_group,
+                             "num_layers": len(g.layer_names)}
+                            for g in scheduler.kv_cache_config.kv_cache_groups],
+        "scheduler": {"block_size": scheduler.block_size, "hash_block_size": scheduler.hash_block_size,
+                      "coordinator": type(scheduler.kv_cache_manager.coordinator).__name__,
+                      "use_eagle_block_drop": scheduler.use_eagle_block_drop,
+                      "num_hash_lookahead_tokens": scheduler.num_hash_lookahead_tokens,
+                      "num_prefill_lookahead": scheduler.num_prefill_lookahead,
+                      "num_spec_tokens": scheduler.num_spec_tokens,
+                      "method": spec.method, "multi_module_mtp": spec.use_multi_module_mtp()},
+        "served": served,
+        "trace": trace,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("models_dir")
+    parser.add_argument("--load-plugins", action="store_true",
+                        help="call vllm.plugins.load_general_plugins() first, as EngineCore does")
+    parser.add_argument("--vllm-version", help="pretend vLLM is this version (vllm.__version__)")
+    parser.add_argument("--scenario", action="append", help="run only these scenarios")
+    args = parser.parse_args(argv)
+
+    # vLLM's CPU platform: the unspecified platform (no device found) turns the hybrid KV-cache manager off,
+    # which Mamba layouts need; like the GPU platforms, the CPU platform supports it. Model folders are local.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import vllm
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())  # as vLLM's entry points do, so INFO lines (kvhit's included) show
+
+    if args.vllm_version:
+        vllm.__version__ = args.vllm_version
+    if args.load_plugins:
+        import vllm.plugins
+
+        vllm.plugins.load_general_plugins()
+    if not all(os.path.exists(os.path.join(args.models_dir, m, "config.json")) for m in MODELS):
+        write_models(args.models_dir)
+    result = {"scenarios": {name: run_scenario(name, args.models_dir) for name in args.scenario or SCENARIOS}}
+    result["kvhit_imported"] = "kvhit.adapters.vllm" in sys.modules
+    if result["kvhit_imported"]:
+        import kvhit.adapters.vllm as kvhit_vllm
+
+        result["kvhit_mode"] = kvhit_vllm.current_mode()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
