@@ -25,6 +25,7 @@ from kvhit import refimpl
 from kvhit.dense import DenseCache
 from kvhit.layouts import LayoutError, configure
 from kvhit.refimpl import Mode, Speculation
+from kvhit.written import WrittenCache, first_writes, replay_boundaries
 
 POLICIES = ("reference", "vllm_0_33", "historical")
 
@@ -144,6 +145,7 @@ class Candidates:
     settings: list
     rejected: list  # (label, reason)
     intervals: list = field(default_factory=list)  # retention intervals still to try (in scheduler blocks or None)
+    replay: dict = field(default_factory=dict)  # (sizes, policy) -> {P: replay boundaries}, for every interval
 
 
 def _default_units(layout):
@@ -242,8 +244,9 @@ def with_retention(cands, ranked, top, explicit=False):
 # evaluation
 # --------------------------------------------------------------------------------------------------
 
-def _writes(setting, p, rules):
-    return refimpl.request_writes(setting.sizes, p, setting.retention, rules)
+def _writes(setting, p, rules, boundaries=None):
+    """``refimpl.request_writes`` of the earlier ``P``-token request (``kvhit.written.first_writes``)."""
+    return first_writes(setting.sizes, p, setting.retention, rules, boundaries)
 
 
 def hit_of(setting, n, p, policy, writes=None):
@@ -255,7 +258,7 @@ def hit_of(setting, n, p, policy, writes=None):
     elif setting.retention == "dense":
         cache = DenseCache((p,) * len(setting.sizes.groups))
     else:
-        cache = refimpl.written_cache(_writes(setting, p, rules) if writes is None else writes)
+        cache = WrittenCache(_writes(setting, p, rules) if writes is None else writes)
     hit, reach, _, _ = refimpl.hit_tokens(cache, setting.sizes, n, rules)
     return hit, reach
 
@@ -273,6 +276,7 @@ def evaluate(cands, workload, settings=None):
         for policy in POLICIES:
             rules = refimpl.policy_rules(policy)
             memo, written = {}, {}
+            replay = cands.replay.setdefault((s.sizes, policy), {})
             total = past = states = 0
             for n, p in workload:
                 key = (n, p)
@@ -280,7 +284,9 @@ def evaluate(cands, workload, settings=None):
                     writes = None
                     if s.retention != "dense" and p > 0:
                         if p not in written:
-                            written[p] = _writes(s, p, rules)
+                            if p not in replay:
+                                replay[p] = replay_boundaries(s.sizes, p, rules)
+                            written[p] = _writes(s, p, rules, replay[p])
                         writes = written[p]
                     hit, reach = hit_of(s, n, p, policy, writes)
                     memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), retained_of(writes) if writes else 0)
