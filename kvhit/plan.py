@@ -271,7 +271,8 @@ def retained_of(writes):
 
 def evaluate(cands, workload, settings=None):
     """Fill in each setting's expected cached tokens and retained states per request, per policy
-    (``settings``: only these, default all)."""
+    (``settings``: only these, default all). Work is done once per distinct ``P`` (what the earlier
+    request left, and its retained states) and once per distinct ``(N, P)`` (the hit)."""
     for s in cands.settings if settings is None else settings:
         for policy in POLICIES:
             rules = refimpl.policy_rules(policy)
@@ -281,15 +282,16 @@ def evaluate(cands, workload, settings=None):
             for n, p in workload:
                 key = (n, p)
                 if key not in memo:
-                    writes = None
+                    writes, kept = None, 0
                     if s.retention != "dense" and p > 0:
                         if p not in written:
                             if p not in replay:
                                 replay[p] = replay_boundaries(s.sizes, p, rules)
-                            written[p] = _writes(s, p, rules, replay[p])
-                        writes = written[p]
+                            w = _writes(s, p, rules, replay[p])
+                            written[p] = w, retained_of(w)
+                        writes, kept = written[p]
                     hit, reach = hit_of(s, n, p, policy, writes)
-                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), retained_of(writes) if writes else 0)
+                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), kept)
                 hit, bad, kept = memo[key]
                 total += hit
                 past += bad

@@ -33,6 +33,8 @@ class WrittenCache(CacheState):
     def _first_miss(self, k, unit, j):
         """The first block index ``i >= j`` whose boundary ``(i + 1) * unit`` group ``k`` does not hold."""
         g = self.groups[k]
+        if not holds(g, (j + 1) * unit):
+            return j
         swa = g.kind is Kind.SWA
         if swa:
             whole = g.every and unit == g.block
@@ -68,6 +70,9 @@ class WrittenCache(CacheState):
         lo, hi = max(0, x // unit - before), x // unit + after
         if lo >= hi:
             return True
+        if hi - lo == 1:  # one boundary: the lookups' single-state and partial-block checks
+            self._seen(hi * unit)
+            return holds(self.groups[k], hi * unit)
         miss = self._first_miss(k, unit, lo)
         if miss >= hi:
             self._seen(hi * unit)
