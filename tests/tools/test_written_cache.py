@@ -23,9 +23,10 @@ def helds(draw):
     block = draw(st.sampled_from([4, 8, 16, 32]))
     unit = draw(st.sampled_from([block, block // 2, block // 4, 2 * block]))
     need = draw(st.integers(1, 6))
+    period = draw(st.sampled_from([0, 0, block, 2 * block, 3 * block, 24, 8 * block]))
     return Held(kind, block, unit, draw(st.integers(0, 600)), draw(st.booleans()),
                 tuple(draw(st.lists(positions, max_size=4))), tuple(draw(st.lists(positions, max_size=4))),
-                need, draw(st.integers(0, 1)), draw(st.sampled_from([0, 0, block, 2 * block, 3 * block, 24, 8 * block])))
+                need, draw(st.integers(0, 1)), period)
 
 
 def _unit(g, choice):
