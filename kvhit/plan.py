@@ -4,16 +4,17 @@ A workload is a list of requests ``(N, P)``: ``N`` prompt tokens of which the fi
 prompt of an earlier request on an empty cache (``P = N`` is the first repeat of that prompt, ``N > P`` a
 longer sibling). The cache the request reads is what that earlier request left: the generated refimpl's
 ``request_writes`` under each policy's write side and the setting's retention interval, read through
-``written_cache``; each hit is ``hit_tokens``. ``cache="dense"`` keeps the read side's assumption instead
+``written_cache``; each hit is ``hit_tokens``. (``kvhit.written`` gives the same writes and the same
+answers faster; its tests check it against those.) ``cache="dense"`` keeps the read side's assumption instead
 (every state of the ``P`` tokens retained; ``kvhit.dense.DenseCache``).
 
 A setting is what an operator can change without changing the model: ``--block-size`` for the groups that
 follow it, ``prefix_match_unit``, lookahead versus drop for EAGLE/MTP, and the retention interval (None, 0
 or a multiple of the scheduler block). Its memory cost is the retained-state count: ``retained_states``
 of what the earlier request left, summed over the sliding-window and Mamba groups (Mamba states plus
-sliding-window blocks), per request on average. Reading a written cache is slower than the dense one, so
-every setting is first evaluated at vLLM's default retention interval 0 and the other intervals only for
-the best few (``retention_top``).
+sliding-window blocks), per request on average. Each setting costs a write side per distinct ``P`` and a
+read per distinct ``(N, P)``, so every setting is first evaluated at vLLM's default retention interval 0
+and the other intervals only for the best few (``retention_top``).
 """
 
 import math
@@ -25,6 +26,7 @@ from kvhit import refimpl
 from kvhit.dense import DenseCache
 from kvhit.layouts import LayoutError, configure
 from kvhit.refimpl import Mode, Speculation
+from kvhit.written import WrittenCache, first_writes, replay_boundaries
 
 POLICIES = ("reference", "vllm_0_33", "historical")
 
@@ -144,6 +146,7 @@ class Candidates:
     settings: list
     rejected: list  # (label, reason)
     intervals: list = field(default_factory=list)  # retention intervals still to try (in scheduler blocks or None)
+    replay: dict = field(default_factory=dict)  # (sizes, policy) -> {P: replay boundaries}, for every interval
 
 
 def _default_units(layout):
@@ -242,8 +245,9 @@ def with_retention(cands, ranked, top, explicit=False):
 # evaluation
 # --------------------------------------------------------------------------------------------------
 
-def _writes(setting, p, rules):
-    return refimpl.request_writes(setting.sizes, p, setting.retention, rules)
+def _writes(setting, p, rules, boundaries=None):
+    """``refimpl.request_writes`` of the earlier ``P``-token request (``kvhit.written.first_writes``)."""
+    return first_writes(setting.sizes, p, setting.retention, rules, boundaries)
 
 
 def hit_of(setting, n, p, policy, writes=None):
@@ -255,7 +259,7 @@ def hit_of(setting, n, p, policy, writes=None):
     elif setting.retention == "dense":
         cache = DenseCache((p,) * len(setting.sizes.groups))
     else:
-        cache = refimpl.written_cache(_writes(setting, p, rules) if writes is None else writes)
+        cache = WrittenCache(_writes(setting, p, rules) if writes is None else writes)
     hit, reach, _, _ = refimpl.hit_tokens(cache, setting.sizes, n, rules)
     return hit, reach
 
@@ -268,22 +272,27 @@ def retained_of(writes):
 
 def evaluate(cands, workload, settings=None):
     """Fill in each setting's expected cached tokens and retained states per request, per policy
-    (``settings``: only these, default all)."""
+    (``settings``: only these, default all). Work is done once per distinct ``P`` (what the earlier
+    request left, and its retained states) and once per distinct ``(N, P)`` (the hit)."""
     for s in cands.settings if settings is None else settings:
         for policy in POLICIES:
             rules = refimpl.policy_rules(policy)
             memo, written = {}, {}
+            replay = cands.replay.setdefault((s.sizes, policy), {})
             total = past = states = 0
             for n, p in workload:
                 key = (n, p)
                 if key not in memo:
-                    writes = None
+                    writes, kept = None, 0
                     if s.retention != "dense" and p > 0:
                         if p not in written:
-                            written[p] = _writes(s, p, rules)
-                        writes = written[p]
+                            if p not in replay:
+                                replay[p] = replay_boundaries(s.sizes, p, rules)
+                            w = _writes(s, p, rules, replay[p])
+                            written[p] = w, retained_of(w)
+                        writes, kept = written[p]
                     hit, reach = hit_of(s, n, p, policy, writes)
-                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), retained_of(writes) if writes else 0)
+                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), kept)
                 hit, bad, kept = memo[key]
                 total += hit
                 past += bad

@@ -1,0 +1,126 @@
+"""A written cache state that answers the refimpl's two queries without walking every block.
+
+``refimpl.written_cache(groups)`` answers ``run_from`` and ``window`` by asking ``holds`` once per block:
+a full-attention group of 64-token blocks holding a 30,000-token prompt costs 470 calls per ``run_from``,
+and the plan asks that for every request, setting and policy. :class:`WrittenCache` is the same state (spec
+group ``k`` holds what the :class:`refimpl.Held` ``groups[k]`` says) and finds the first boundary a query
+misses by jumping over the stretches a ``Held`` says are held whole: every block up to the extent (full
+attention, chunked local, a Mamba group that keeps every state, a sliding window that keeps every block), a
+sliding-window tail, a periodic tail. Everything else (single points, partial tails, states between
+periods) it still asks ``refimpl.holds`` about one boundary at a time, so it never has to restate the
+write side's rules; it reports the same ``max_query`` as the refimpl's loops (the highest boundary they would
+have asked about), so ``reach`` accounting is unchanged. It is a cache state, not policy: the hit is still
+computed by the refimpl's own functions. ``tests/tools/test_written_cache.py`` checks it against
+``refimpl.written_cache`` query by query and hit by hit.
+"""
+
+from kvhit import refimpl
+from kvhit.refimpl import CacheState, Kind, holds
+
+
+class WrittenCache(CacheState):
+    """Spec group ``k`` holds what ``groups[k]`` (a ``refimpl.Held``) says."""
+
+    def __init__(self, groups):
+        self.groups = tuple(groups)
+        held = self.groups
+        super().__init__(lambda k, x: holds(held[k], x))
+
+    def _seen(self, x):
+        if x > self.max_query:
+            self.max_query = x
+
+    def _first_miss(self, k, unit, j):
+        """The first block index ``i >= j`` whose boundary ``(i + 1) * unit`` group ``k`` does not hold."""
+        g = self.groups[k]
+        if not holds(g, (j + 1) * unit):
+            return j
+        swa = g.kind is Kind.SWA
+        if swa:
+            whole = g.every and unit == g.block
+        elif g.kind is Kind.MAMBA:
+            whole = unit % g.unit == 0 and (g.every or (g.period > 0 and unit % g.period == 0))
+        else:
+            whole = unit % g.block == 0
+        last = g.extent // unit  # boundaries (i + 1) * unit <= extent have i < last
+        while holds(g, (j + 1) * unit):
+            if whole and j < last:
+                # every boundary up to the extent is held (points past it are asked one by one)
+                j = last
+            elif swa and unit == g.block:
+                j = max(j + 1, min(self._tail_end(g, j), last))
+            else:
+                j += 1
+        return j
+
+    @staticmethod
+    def _tail_end(g, j):
+        """One past the last block of the longest kept sliding-window tail that covers block ``j``
+        (``refimpl.holds_block``'s tails: periodic, or ending at ``g.ends``); ``j + 1`` when none does."""
+        out = j + 1
+        per = g.period // g.block
+        if per > 0 and j >= g.shift and (j - g.shift) % per >= per - g.need:
+            out = max(out, j + per - (j - g.shift) % per)
+        for end in g.ends:
+            if end - g.need * g.block <= j * g.block < end:
+                out = max(out, -(-end // g.block))
+        return out
+
+    def window(self, k, x, unit, before, after):
+        lo, hi = max(0, x // unit - before), x // unit + after
+        if lo >= hi:
+            return True
+        if hi - lo == 1:  # one boundary: the lookups' single-state and partial-block checks
+            self._seen(hi * unit)
+            return holds(self.groups[k], hi * unit)
+        miss = self._first_miss(k, unit, lo)
+        if miss >= hi:
+            self._seen(hi * unit)
+            return True
+        self._seen((miss + 1) * unit)
+        return False
+
+    def run_from(self, k, start, unit, limit):
+        if start >= limit:
+            return 0
+        miss = self._first_miss(k, unit, start)
+        if miss < limit:
+            self._seen((miss + 1) * unit)
+            return miss - start
+        self._seen(limit * unit)
+        return limit - start
+
+
+def replay_boundaries(sizes, n_tokens, rules):
+    """``refimpl.replay_boundaries`` with the reference policy's resume points (three hits on the cache
+    the request would leave if every state were retained: ``refimpl.resume_points``) read through
+    :class:`WrittenCache`."""
+    if rules.replay != "resume":
+        return refimpl.replay_boundaries(sizes, n_tokens, rules)
+    dense = WrittenCache(refimpl.dense_groups(sizes, n_tokens))
+    return tuple(refimpl.hit_tokens(dense, sizes, m, rules)[0]
+                 for m in (n_tokens, n_tokens + 1, refimpl.far_sibling(sizes, n_tokens)))
+
+
+def first_writes(sizes, n_tokens, interval, rules, boundaries=None):
+    """``refimpl.request_writes(sizes, N, interval, rules)``: what a first request on an empty cache
+    leaves (no hit, no junction), given its replay boundaries (:func:`replay_boundaries`, which do not
+    depend on the retention interval, so a caller trying several intervals computes them once). The
+    per-group descriptions are the refimpl's own (``sliding_window_held``, ``mamba_held``,
+    ``partial_tails``); only the assembly is repeated here, and ``tests/tools/test_written_cache.py``
+    checks it against ``refimpl.request_writes``."""
+    refimpl.check_retention(sizes, interval)
+    if boundaries is None:
+        boundaries = replay_boundaries(sizes, n_tokens, rules)
+    out = []
+    for k, sg in enumerate(sizes.groups):
+        at = boundaries + refimpl.junction_boundaries(sizes, k, refimpl.NO_JUNCTION)
+        if sg.kind is Kind.SWA:
+            out.append(refimpl.sliding_window_held(sizes, k, n_tokens, interval, at, rules))
+        elif sg.kind is Kind.MAMBA:
+            out.append(refimpl.mamba_held(sizes, k, n_tokens, interval, at, 0, refimpl.NO_JUNCTION, rules))
+        else:
+            points = refimpl.partial_tails(sizes, k, n_tokens) if sg.kind is Kind.FULL else ()
+            out.append(refimpl.Held(sg.kind, sg.block, refimpl.read_unit(sizes, k),
+                                    refimpl.group_extent(sizes, k, n_tokens), True, points))
+    return tuple(out)
