@@ -36,6 +36,11 @@ class WrittenCache(CacheState):
         if not holds(g, (j + 1) * unit):
             return j
         swa = g.kind is Kind.SWA
+        if swa and any(lo < hi for lo, hi in g.gaps):
+            # blocks lost before caching (refimpl.sliding_window_gaps) break the stretches: ask each block
+            while holds(g, (j + 1) * unit):
+                j += 1
+            return j
         if swa:
             whole = g.every and unit == g.block
         elif g.kind is Kind.MAMBA:
@@ -92,35 +97,15 @@ class WrittenCache(CacheState):
 
 
 def replay_boundaries(sizes, n_tokens, rules):
-    """``refimpl.replay_boundaries`` with the reference policy's resume points (three hits on the cache
-    the request would leave if every state were retained: ``refimpl.resume_points``) read through
-    :class:`WrittenCache`."""
-    if rules.replay != "resume":
-        return refimpl.replay_boundaries(sizes, n_tokens, rules)
-    dense = WrittenCache(refimpl.dense_groups(sizes, n_tokens))
-    return tuple(refimpl.hit_tokens(dense, sizes, m, rules)[0]
-                 for m in (n_tokens, n_tokens + 1, refimpl.far_sibling(sizes, n_tokens)))
+    """``refimpl.replay_boundaries``, the reference policy's resume points (hits on the caches the request
+    would leave if every state were retained: ``refimpl.resume_points``) read through :class:`WrittenCache`."""
+    return refimpl.replay_boundaries(sizes, n_tokens, rules, WrittenCache)
 
 
 def first_writes(sizes, n_tokens, interval, rules, boundaries=None):
     """``refimpl.request_writes(sizes, N, interval, rules)``: what a first request on an empty cache
-    leaves (no hit, no junction), given its replay boundaries (:func:`replay_boundaries`, which do not
-    depend on the retention interval, so a caller trying several intervals computes them once). The
-    per-group descriptions are the refimpl's own (``sliding_window_held``, ``mamba_held``,
-    ``partial_tails``); only the assembly is repeated here, and ``tests/tools/test_written_cache.py``
-    checks it against ``refimpl.request_writes``."""
-    refimpl.check_retention(sizes, interval)
+    leaves, given its replay boundaries (:func:`replay_boundaries`, which do not depend on the retention
+    interval, so a caller trying several intervals computes them once)."""
     if boundaries is None:
         boundaries = replay_boundaries(sizes, n_tokens, rules)
-    out = []
-    for k, sg in enumerate(sizes.groups):
-        at = boundaries + refimpl.junction_boundaries(sizes, k, refimpl.NO_JUNCTION)
-        if sg.kind is Kind.SWA:
-            out.append(refimpl.sliding_window_held(sizes, k, n_tokens, interval, at, rules))
-        elif sg.kind is Kind.MAMBA:
-            out.append(refimpl.mamba_held(sizes, k, n_tokens, interval, at, 0, refimpl.NO_JUNCTION, rules))
-        else:
-            points = refimpl.partial_tails(sizes, k, n_tokens) if sg.kind is Kind.FULL else ()
-            out.append(refimpl.Held(sg.kind, sg.block, refimpl.read_unit(sizes, k),
-                                    refimpl.group_extent(sizes, k, n_tokens), True, points))
-    return tuple(out)
+    return refimpl.request_writes(sizes, n_tokens, interval, rules, boundaries=boundaries)

@@ -90,11 +90,15 @@ def cacheable_tokens(sizes: Sizes, k, computed):
     return aligned
 
 
-def group_extent(sizes: Sizes, k, n_tokens):
+def group_extent(sizes: Sizes, k, n_tokens, decoded: bool = False):
     """The prompt-only prefix spec group ``k`` can cache, within its cacheable tokens and ``N - L``: whole
     blocks for attention; for Mamba, boundaries at the unit it is read at (a Mamba state can sit inside a
-    block when it is read at hash granularity: the prompt checkpoint's partial tail)."""
-    reach = min_(cacheable_tokens(sizes, k, n_tokens), n_tokens - sizes.hash_lookahead)
+    block when it is read at hash granularity: the prompt checkpoint's partial tail). ``decoded``: after
+    enough decode steps that every prompt token is finalized and aligned (the caching calls of later steps
+    reach ``N - L``)."""
+    reach = n_tokens - sizes.hash_lookahead
+    if not decoded:
+        reach = min_(cacheable_tokens(sizes, k, n_tokens), reach)
     unit = read_unit(sizes, k) if sizes.groups[k].kind is Kind.MAMBA else sizes.groups[k].block
     return floor_to(max_(reach, 0), unit)
 
@@ -136,15 +140,17 @@ def partial_tails(sizes: Sizes, k, n_tokens):
     return tuple(points)
 
 
-def dense_groups(sizes: Sizes, n_tokens):
+def dense_groups(sizes: Sizes, n_tokens, decoded: bool = False):
     """What the request would leave if every state were retained: each group holds every boundary up to
-    its extent (full attention also its partial tail)."""
+    its extent (full attention also its partial tail); ``decoded``: once decode steps have cached the rest
+    of the prompt (:func:`group_extent`)."""
     out = []
     for k, sg in enumerate(sizes.groups):
         points = ()
         if sg.kind is Kind.FULL:
             points = partial_tails(sizes, k, n_tokens)
-        out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True, points))
+        out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens, decoded), True,
+                        points))
     return tuple(out)
 
 
@@ -153,24 +159,37 @@ def far_sibling(sizes: Sizes, n_tokens):
     return n_tokens + 2 * sizes.scheduler_block + sizes.hash_lookahead + 1
 
 
-def resume_points(sizes: Sizes, n_tokens, rules: Rules):
+def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the read side resumes, with every state retained: a resend, a sibling one token longer, and a
-    far sibling (kvhit's reference replay boundaries)."""
-    dense = written(dense_groups(sizes, n_tokens))
-    resend = hit_tokens(dense, sizes, n_tokens, rules)[0]
-    near = hit_tokens(dense, sizes, n_tokens + 1, rules)[0]
-    far = hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0]
-    return (resend, near, far)
+    far sibling (kvhit's reference replay boundaries), on the cache the request leaves when it ends right
+    after its prefill; and a resend on the cache it leaves after decoding, whose later caching calls cache
+    the prompt's last blocks (without that point a request that decodes would leave less than vLLM's own
+    boundaries do: qwen3next, MTP 2, drop, N = 8000 resumes at 6400 after decoding, 4800 without).
+
+    The decoded cache differs only where the EAGLE drop and the reprefillable tail of multi-module MTP keep
+    the cacheable tokens short of the prompt, and there its near and far siblings resume where its resend
+    does (every catalogue layout and speculative mode, prompts up to 8 alignment units): one point, and only
+    then. ``read``: how to read a cache description (:func:`kvhit.spec.terms.written` unless a caller has a
+    faster reader of the same descriptions)."""
+    groups = dense_groups(sizes, n_tokens)
+    dense = written(groups) if read is None else read(groups)
+    points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0],
+              hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0])
+    if sizes.drop and reprefillable(sizes) > 0:
+        groups = dense_groups(sizes, n_tokens, True)
+        decoded = written(groups) if read is None else read(groups)
+        points += (hit_tokens(decoded, sizes, n_tokens, rules)[0],)
+    return points
 
 
-def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules):
+def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
 
     vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
     aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
     """
     if rules.replay == "resume":
-        return resume_points(sizes, n_tokens, rules)
+        return resume_points(sizes, n_tokens, rules, read)
     if rules.replay == "prompt_end" or not sizes.drop:
         return (n_tokens - 1,)
     s = sizes.scheduler_block
@@ -340,12 +359,14 @@ def eq_zero_mod(x, unit: int):
 
 
 def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junction=NO_JUNCTION,
-                   again=False):
+                   again=False, boundaries=None):
     """What a request with prompt ``N``, admitted with a hit of ``start`` tokens and junction ``J``,
     leaves in the cache: one :class:`Held` per spec group. ``again``: an earlier request with the same
-    prompt already left the replay boundaries' sliding-window tails, so only the junction's are new."""
+    prompt already left the replay boundaries' sliding-window tails, so only the junction's are new.
+    ``boundaries``: :func:`replay_boundaries`, when the caller already has them."""
     check_retention(sizes, interval)
-    boundaries = replay_boundaries(sizes, n_tokens, rules)
+    if boundaries is None:
+        boundaries = replay_boundaries(sizes, n_tokens, rules)
     out = []
     for k, sg in enumerate(sizes.groups):
         at = boundaries + junction_boundaries(sizes, k, junction)

@@ -150,10 +150,11 @@ def test_enforce_keeps_the_eagle_block_stock_vllm_drops(runs):
 
 _FIRST_REPEATS = [pytest.param(s, n, id=f"{s}-N{n}") for s, n in (
     ("eagle-drop", 1024), ("eagle-lookahead", 1024), ("mtp2-lookahead", 8000), ("mtp2-lookahead", 11910),
-    ("mtp2-drop", 11910))] + [pytest.param("mtp2-drop", 8000, id="mtp2-drop-N8000", marks=pytest.mark.xfail(
-        strict=True, reason="enforce's write side checkpoints the Mamba state at 4800 (it ignores that decode "
-        "steps cache the full-attention block 6400-8000), so the first and every later repeat get 4800; stock "
-        "vLLM 0.33 gets 6400, the reference steady state, on this layout"))]
+    ("mtp2-drop", 11910),
+    # The decode steps cache the full-attention block 6400-8000, so a resend can resume at 6400: the
+    # reference keeps that Mamba state too (refimpl.resume_points on the decoded cache). Before it did,
+    # enforce got 4800 here where stock vLLM gets 6400.
+    ("mtp2-drop", 8000))]
 
 
 @pytest.mark.parametrize("scenario, n", _FIRST_REPEATS)
