@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 2ebc60c571c30750ffc39161c89985fa3391d6780fe462f63143b32dae9dd278
-output-sha256: 63e1aa090491e23f086cef20e2baca9c87d218f32dca2341d3418c44edbda91d
+spec-sha256: 9ec5503903403621be10ab0fbccf6bc89ae31d3a42ae79e93815c619e1538adf
+output-sha256: 9fc5a24d6ebe8c41dccc104652b2ba82fcf54ec8365e4fe6b39386ae5e0afa01
 """
 
 import itertools
@@ -1151,7 +1151,9 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     is_end = False
     for e in ends:
         is_end = is_end or e == tail
-    called = cacheable_tokens(sizes, k, tail) == tail or cacheable_tokens(sizes, k, n_tokens) == tail
+    called = cacheable_tokens(sizes, k, n_tokens) == tail
+    for c in chunk_stops(sizes, n_tokens, start, junction, rules):
+        called = called or (start < c and c < n_tokens and (cacheable_tokens(sizes, k, c) == tail))
     ok = tail > 0 and tail <= n_tokens - sizes.hash_lookahead and is_end and called
     points.append(tail if ok else NO_JUNCTION)
     return Held(Kind.MAMBA, b, unit, extent, False, tuple(points))

@@ -347,7 +347,11 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     is_end = False
     for e in ends:
         is_end = or_(is_end, eq(e, tail))
-    called = or_(eq(cacheable_tokens(sizes, k, tail), tail), eq(cacheable_tokens(sizes, k, n_tokens), tail))
+    # registered by a caching call whose cacheable tokens end exactly there: one at a chunk end (a scheduler
+    # stop) or the last one (a state that only lands at a Mamba block's end inside a chunk gets no call)
+    called = eq(cacheable_tokens(sizes, k, n_tokens), tail)
+    for c in chunk_stops(sizes, n_tokens, start, junction, rules):
+        called = or_(called, and_(and_(start < c, c < n_tokens), eq(cacheable_tokens(sizes, k, c), tail)))
     ok = and_(and_(and_(tail > 0, tail <= n_tokens - sizes.hash_lookahead), is_end), called)
     points.append(ite(ok, tail, NO_JUNCTION))
     return Held(Kind.MAMBA, b, unit, extent, False, tuple(points))

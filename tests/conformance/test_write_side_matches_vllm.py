@@ -72,6 +72,13 @@ _GAP_LAYOUT = Layout((Group("full", 16), Group("mamba", 128), Group("swa", 32, w
 PINNED = [WriteScenario(_GAP_LAYOUT, speculation, retention, n, (("resend",), ("sibling", 1), ("resend",)), seed=n)
           for speculation in (Speculation("drop", 1), Speculation("none"))
           for retention in (0, None, 128) for n in (128, 129, 160, 256, 300, 700)]
+# Found by a long run: the Mamba prompt checkpoint (at hash granularity) lands at a Mamba block's end inside a
+# chunk (config block 64, Mamba block 128), where no caching call registers it (spec: mamba_held, ``called``).
+_TAIL_LAYOUT = Layout((Group("mamba", 128), Group("swa", 64, window=17), Group("full", 64)), prefix_match_unit=32,
+                      name="tail")
+PINNED += [WriteScenario(_TAIL_LAYOUT, speculation, retention, n, (("resend",), ("sibling", 1)), seed=n)
+           for speculation in (Speculation("drop", 1), Speculation("none"))
+           for retention in (0, None) for n in (160, 192, 288, 416)]
 
 
 @pytest.mark.parametrize("scenario", PINNED, ids=[f"{s.speculation.describe()}-R{s.retention}-N{s.n}" for s in PINNED])
