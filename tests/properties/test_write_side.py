@@ -93,6 +93,22 @@ def test_a_sliding_window_loses_blocks_freed_before_caching():
     assert refimpl.request_writes(sizes, 128, 0, rules)[2].gaps[0] == (0, 96)
 
 
+def _fixed(constraints):
+    """The value of a term once ``constraints`` fix its variables (Python values pass through)."""
+    solver = z3.Solver()
+    solver.add(*constraints)
+    assert solver.check() == z3.sat
+    model = solver.model()
+
+    def value(v):
+        if isinstance(v, bool | int):
+            return v
+        e = model.eval(_zv(v), True)
+        return z3.is_true(e) if z3.is_bool(e) else e.as_long()
+
+    return value
+
+
 @settings(max_examples=80, deadline=None)
 @given(setting=write_settings(), n=st.integers(1, 1500), longer=st.integers(1, 400),
        policy=st.sampled_from(sorted(refimpl.POLICIES)), repeats=st.integers(0, 1))
@@ -137,16 +153,7 @@ def _z3_matches_refimpl(setting, n, longer, policy, repeats):
                     for x in range(sg.block, min(n + 1, 40 * sg.block), sg.block):
                         probes.append(((k, x, sg.block, need, after), cache.window(k, x, sg.block, need, after)))
                 probes.append((("run", k, sg.block), cache.run_from(k, 0, sg.block, n // sg.block + 1)))
-    solver = z3.Solver()
-    solver.add(n_sym.z == n, n2_sym.z == n + longer)
-    assert solver.check() == z3.sat
-    model = solver.model()
-
-    def value(v):
-        if isinstance(v, bool | int):
-            return v
-        e = model.eval(_zv(v), True)
-        return z3.is_true(e) if z3.is_bool(e) else e.as_long()
+    value = _fixed([n_sym.z == n, n2_sym.z == n + longer])
 
     rsizes = refimpl.derive_sizes(layout, speculation)
     rgroups = refimpl.request_writes(rsizes, n, interval, refimpl.ALL_POLICIES[policy])
@@ -249,17 +256,7 @@ def test_z3_reading_of_gaps_matches_the_loops(held, data):
         windows = [cache.window(0, x, b, before, after) for x in range(b, 34 * b, b)]
         run = cache.run_from(0, 0, b, 40)
         best = symbolic_max_aligned(b, 33 * b, lambda x: cache.window(0, x, b, before, after))
-    solver = z3.Solver()
-    for (lo, hi), (lo_v, hi_v) in zip(bounds, held.gaps):
-        solver.add(lo.z == lo_v, hi.z == hi_v)
-    assert solver.check() == z3.sat
-    model = solver.model()
-
-    def value(v):
-        if isinstance(v, bool | int):
-            return v
-        e = model.eval(_zv(v), True)
-        return z3.is_true(e) if z3.is_bool(e) else e.as_long()
+    value = _fixed([c for (lo, hi), (lo_v, hi_v) in zip(bounds, held.gaps) for c in (lo.z == lo_v, hi.z == hi_v)])
 
     loops = refimpl.written_cache((held,))
     want = [loops.window(0, x, b, before, after) for x in range(b, 34 * b, b)]
