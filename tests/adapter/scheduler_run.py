@@ -133,8 +133,9 @@ def write_models(models_dir: str) -> None:
             json.dump(config, f, indent=1)
 
 
-def build_scheduler(name: str, models_dir: str):
-    """The ``Scheduler`` of scenario ``name`` and the block hasher ``EngineCore`` gives its requests."""
+def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = None):
+    """The ``Scheduler`` of scenario ``name`` and the block hasher ``EngineCore`` gives its requests
+    (``prefix_match_unit``: vLLM's ``CacheConfig.prefix_match_unit``, finer prefix-cache keys)."""
     from vllm.config import (
         CacheConfig,
         ModelConfig,
@@ -166,6 +167,7 @@ def build_scheduler(name: str, models_dir: str):
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                                 prefix_match_unit=prefix_match_unit,
                                  mamba_cache_mode="align" if model_config.is_hybrid else "none"),
         parallel_config=parallel_config,
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,

@@ -17,7 +17,7 @@ def _write_side(terminalreporter):
     terminalreporter.section("vLLM 0.33.0 write-side conformance")
     w(f"scenarios {s.scenarios}: retained boundaries compared for {s.retained_groups} KV-cache groups, "
       f"{s.resends} resends, {s.siblings} sibling lookups (hit > 0: {s.positive}); IndexError predicted and "
-      f"raised: {s.crashes_predicted}; scheduler stalls (docs/findings.md, Leads): {s.stalls}")
+      f"raised: {s.crashes_predicted}; scheduler stalls (docs/findings.md, S1): {s.stalls}")
     w(f"resends hitting less than with every state retained (dense): {s.below_dense}")
     w(f"throughput {s.scenarios / s.seconds if s.seconds else 0.0:.1f} scenarios/s ({s.seconds:.1f} s)")
     w(f"by layout: {dict(sorted(s.by_layout.items()))}")

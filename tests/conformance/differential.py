@@ -267,7 +267,7 @@ def stall_expected(sizes) -> bool:
     """Where the scheduler's Mamba checkpoint split and its prefill-lookahead reservation are known to
     clip a running prefill to 0 tokens: Mamba with partial (hash-unit) hits and a prefill lookahead of at
     least 2 (multi-module MTP), e.g. full 32 + Mamba 32 with ``prefix_match_unit`` 16, ``Lp = 2``,
-    ``N = 33``. See docs/findings.md, "Leads"."""
+    ``N = 33``. See docs/findings.md, S1."""
     return sizes.partial_hits and sizes.prefill_lookahead >= 2 and any(
         g.kind.value == "mamba" for g in sizes.groups)
 
@@ -390,7 +390,7 @@ def run_scenario(scenario: Scenario, stats: Stats = STATS, rules=VLLM_0_33) -> l
             outcome = e
         except SchedulingStalled as e:
             # Not a lookup result: the admission lookup completed and is compared; the stall itself is a
-            # scheduler lead (docs/findings.md, "Leads"), allowed only where it is known to happen.
+            # scheduler lead (docs/findings.md, S1), allowed only where it is known to happen.
             if not stall_expected(sizes):
                 raise Mismatch(f"the scheduler stalled outside the known condition: {e}\n"
                                f"{scenario.describe()}") from e

@@ -127,7 +127,7 @@ def stall_predicted(sizes, n, start, junction, rules) -> bool:
     """Whether the scheduler's own chunk clipping leaves this prefill stuck at 0 tokens: a Mamba chunk
     must end at a stop ``e`` (the model's ``chunk_stops``) with ``0 < N - e < Lp``, and
     ``_reserve_prefill_lookahead`` keeps ``Lp`` tokens from the end, so the chunk to ``e`` is cut short and
-    the one after it is cut to 0 (docs/findings.md, "Leads"). The write side assumes every request
+    the one after it is cut to 0 (docs/findings.md, S1). The write side assumes every request
     completes, so such a scenario ends there."""
     lp = sizes.prefill_lookahead
     if lp < 2 or not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
@@ -175,7 +175,7 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
             return None
         except (SchedulingStalled, RuntimeError) as e:
             # A prefill clipped to 0 tokens by the scheduler's own Mamba split and lookahead reservation
-            # (docs/findings.md, "Leads"): the request never completes, so nothing is written to compare.
+            # (docs/findings.md, S1): the request never completes, so nothing is written to compare.
             if not stall or "0 tokens" not in str(e):
                 fail(f"{label}: the scheduler stalled where the model predicts no stall", repr(e),
                      f"hit {hit}, junction {junction}")
