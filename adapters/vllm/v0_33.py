@@ -49,8 +49,8 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 from fractions import Fraction
+from typing import NamedTuple
 
 from prometheus_client import Counter
 from vllm.utils.math_utils import cdiv
