@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 9ec5503903403621be10ab0fbccf6bc89ae31d3a42ae79e93815c619e1538adf
-output-sha256: 9fc5a24d6ebe8c41dccc104652b2ba82fcf54ec8365e4fe6b39386ae5e0afa01
+spec-sha256: 90323ec2d5e41c369244492a5bc0231c79936cec8306d62268dd44a101a6ce43
+output-sha256: 75552dea4d9d2209e073398f777dfc9d73b7e540fb0aef7cba3f70be06f8fd1c
 """
 
 import itertools
@@ -469,6 +469,10 @@ class Held:
     shift: int = 0
     period: int = 0
     gaps: tuple = ()
+
+def live_gaps(gaps):
+    """``gaps`` without the ones known to be empty before any prompt is chosen (concrete ``lo >= hi``)."""
+    return tuple(((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and (lo >= hi))))
 
 def holds_block(g: Held, j):
     """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
@@ -1189,10 +1193,6 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
                 points = partial_tails(sizes, k, n_tokens)
             out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True, points))
     return tuple(out)
-
-def live_gaps(gaps):
-    """``gaps`` without the ones known to be empty before any prompt is chosen."""
-    return tuple(((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and (lo >= hi))))
 
 def merge(old, new):
     """The cache after a later request with the same prompt wrote ``new`` on top of ``old``.

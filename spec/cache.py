@@ -97,6 +97,11 @@ class Held:
     gaps: tuple = ()
 
 
+def live_gaps(gaps):
+    """``gaps`` without the ones known to be empty before any prompt is chosen (concrete ``lo >= hi``)."""
+    return tuple((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and lo >= hi))
+
+
 def holds_block(g: Held, j):
     """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
     if (j + 1) * g.block > g.extent:

@@ -22,6 +22,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .cache import live_gaps
 from .terms import _LOWERING, SpecError, Term, _zv, and_, eq, is_symbolic, ite, max_, min_
 
 
@@ -352,8 +353,7 @@ class SymbolicWrittenCache:
         entirely before ``L`` (an ``L`` inside a gap gets an empty interval): linear in the gaps, where
         cutting each interval at each gap would double the intervals per gap.
         """
-        gaps = [(lo, hi) for lo, hi in g.gaps
-                if not (isinstance(lo, int) and isinstance(hi, int) and lo >= hi)]  # concrete empty ones
+        gaps = live_gaps(g.gaps)
         if not gaps:
             return intervals
         bb, ab = before * g.block, after * g.block
@@ -483,8 +483,6 @@ class SymbolicWrittenCache:
     @staticmethod
     def _before_gaps(g, reach):
         """A run of held blocks from block 0 ending at token ``reach``, cut at the first gap inside it."""
-        for lo, hi in g.gaps:
-            if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
-                continue
+        for lo, hi in live_gaps(g.gaps):
             reach = ite(and_(lo < hi, lo < reach), lo, reach)
         return reach

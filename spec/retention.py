@@ -24,7 +24,7 @@ samples one token and ends (decode steps would cache more), and a later request 
 its junction (vLLM keeps only the blocks it computed).
 """
 
-from .cache import Held
+from .cache import Held, live_gaps
 from .domain import Kind
 from .policy import Rules, hit_tokens
 from .sizes import Sizes, hash_reach
@@ -394,11 +394,6 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True,
                             points))
     return tuple(out)
-
-
-def live_gaps(gaps):
-    """``gaps`` without the ones known to be empty before any prompt is chosen."""
-    return tuple((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and lo >= hi))
 
 
 def merge(old, new):
