@@ -20,9 +20,8 @@ def _write_side(terminalreporter):
       f"raised: {s.crashes_predicted}; scheduler stalls (docs/findings.md, S1): {s.stalls}")
     w(f"resends hitting less than with every state retained (dense): {s.below_dense}")
     w(f"throughput {s.scenarios / s.seconds if s.seconds else 0.0:.1f} scenarios/s ({s.seconds:.1f} s)")
-    w(f"by layout: {dict(sorted(s.by_layout.items()))}")
-    w(f"by speculation: {dict(sorted(s.by_mode.items()))}")
-    w(f"by retention: {dict(sorted(s.by_retention.items()))}; by DCP: {dict(sorted(s.by_dcp.items()))}")
+    for line in s.lines():
+        w(line)
 
 
 def _read_side(terminalreporter):
@@ -37,6 +36,5 @@ def _read_side(terminalreporter):
     w(f"lookups where vLLM's hit is below the reference policy's on the same cache state: "
       f"{STATS.below_reference}")
     w(f"throughput {rate:.1f} scenarios/s ({STATS.seconds:.1f} s in scenarios)")
-    w(f"by layout: {dict(sorted(STATS.by_layout.items()))}")
-    w(f"by speculation: {dict(sorted(STATS.by_mode.items()))}")
-    w(f"by retention: {dict(sorted(STATS.by_retention.items()))}; by DCP: {dict(sorted(STATS.by_dcp.items()))}")
+    for line in STATS.lines():
+        w(line)

@@ -186,7 +186,28 @@ def prompt_lengths(scenario: Scenario) -> list[int]:
 
 
 @dataclass
-class Stats:
+class Coverage:
+    """Scenarios counted by layout, speculative mode, retention interval and DCP size (both suites)."""
+
+    by_layout: Counter = field(default_factory=Counter)
+    by_mode: Counter = field(default_factory=Counter)
+    by_retention: Counter = field(default_factory=Counter)
+    by_dcp: Counter = field(default_factory=Counter)
+
+    def count(self, layout, speculation, retention) -> None:
+        self.by_layout[layout.name or "random"] += 1
+        self.by_mode[speculation.describe()] += 1
+        self.by_retention["None" if retention is None else "0" if retention == 0 else "positive"] += 1
+        self.by_dcp[layout.dcp] += 1
+
+    def lines(self) -> list[str]:
+        return [f"by layout: {dict(sorted(self.by_layout.items()))}",
+                f"by speculation: {dict(sorted(self.by_mode.items()))}",
+                f"by retention: {dict(sorted(self.by_retention.items()))}; by DCP: {dict(sorted(self.by_dcp.items()))}"]
+
+
+@dataclass
+class Stats(Coverage):
     """What the runs covered, for the session summary."""
 
     scenarios: int = 0
@@ -197,10 +218,6 @@ class Stats:
     stalls: int = 0
     below_reference: int = 0
     seconds: float = 0.0
-    by_layout: Counter = field(default_factory=Counter)
-    by_mode: Counter = field(default_factory=Counter)
-    by_retention: Counter = field(default_factory=Counter)
-    by_dcp: Counter = field(default_factory=Counter)
 
 
 STATS = Stats()
@@ -413,11 +430,7 @@ def run_scenario(scenario: Scenario, stats: Stats = STATS, rules=VLLM_0_33) -> l
             stats.below_reference += outcome["hit"] < reference
         prompts.append(tokens)
     stats.scenarios += 1
-    stats.by_layout[scenario.layout.name or "random"] += 1
-    stats.by_mode[scenario.speculation.describe()] += 1
-    stats.by_retention["None" if scenario.retention is None else
-                       "0" if scenario.retention == 0 else "positive"] += 1
-    stats.by_dcp[scenario.layout.dcp] += 1
+    stats.count(scenario.layout, scenario.speculation, scenario.retention)
     return history
 
 

@@ -25,8 +25,7 @@ A mismatch raises :class:`~.differential.Mismatch` with the layout, the stream a
 from __future__ import annotations
 
 import random
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvhit.refimpl import (
     Layout,
@@ -40,7 +39,7 @@ from kvhit.refimpl import (
 )
 from kvhit.refimpl.policy import NO_JUNCTION, CacheState, Kind, check_retention, chunk_stops, num_hashes, repeat
 
-from .differential import VLLM_0_33, Mismatch, check_sizes, describe_layout, harness_mode, runs, to_harness
+from .differential import VLLM_0_33, Coverage, Mismatch, check_sizes, describe_layout, harness_mode, runs, to_harness
 from .vllm_harness import SchedulingStalled, VllmHarness
 
 NO_BUDGET = 10**6
@@ -68,7 +67,7 @@ class WriteScenario:
 
 
 @dataclass
-class WriteStats:
+class WriteStats(Coverage):
     """What the write-side runs covered, for the session summary."""
 
     scenarios: int = 0
@@ -81,10 +80,6 @@ class WriteStats:
     below_dense: int = 0
     """Resends whose hit is below what the same prompt would hit with every state retained (dense)."""
     seconds: float = 0.0
-    by_layout: Counter = field(default_factory=Counter)
-    by_mode: Counter = field(default_factory=Counter)
-    by_retention: Counter = field(default_factory=Counter)
-    by_dcp: Counter = field(default_factory=Counter)
 
 
 WRITE_STATS = WriteStats()
@@ -143,10 +138,7 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
     check_sizes(scenario, sizes, harness)
     n, R, L, h = scenario.n, scenario.retention, sizes.hash_lookahead, sizes.hash_block
     stats.scenarios += 1
-    stats.by_layout[scenario.layout.name or "random"] += 1
-    stats.by_mode[scenario.speculation.describe()] += 1
-    stats.by_retention["None" if R is None else "0" if R == 0 else "positive"] += 1
-    stats.by_dcp[scenario.layout.dcp] += 1
+    stats.count(scenario.layout, scenario.speculation, R)
     dense = hit_tokens(written_cache(dense_groups(sizes, n)), sizes, n, rules)[0]
     rng = random.Random(scenario.seed)
     tokens = [rng.randrange(1, 50_000) for _ in range(n)]
