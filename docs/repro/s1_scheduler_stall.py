@@ -18,9 +18,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform (the h
 sys.path.insert(0, os.getcwd())
 
 import tests.adapter.scheduler_run as runner  # noqa: E402  (vLLM only: see the module's docstring)
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
 
 MAX_STEPS = 20
 
@@ -30,21 +27,12 @@ def run(mode: str, n: int, prefix_match_unit: int | None) -> tuple[list[int], bo
     models = tempfile.mkdtemp()
     runner.write_models(models)
     scheduler, hasher = runner.build_scheduler(mode, models, prefix_match_unit)
-    request = Request("r", runner._prompt(mode, n), SamplingParams(max_tokens=3, ignore_eos=True), None,
-                      arrival_time=0.0, block_hasher=hasher)
+    request = runner.new_request("r", runner._prompt(mode, n), hasher)
     scheduler.add_request(request)
-    k = scheduler.num_spec_tokens
     per_step = []
     while scheduler.has_unfinished_requests() and len(per_step) < MAX_STEPS:
-        out = scheduler.schedule()
-        ids = list(out.num_scheduled_tokens)
-        per_step.append(sum(out.num_scheduled_tokens.values()))
-        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [runner.SAMPLED_TOKEN_ID] for r in ids]
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
-        drafting = [r for r in ids if r in scheduler.requests]
-        if k and drafting:
-            scheduler.update_draft_token_ids(DraftTokenIds(drafting, [[runner.DRAFT_TOKEN_ID] * k] * len(drafting)))
+        scheduler_output, _ = runner.step(scheduler)
+        per_step.append(sum(scheduler_output.num_scheduled_tokens.values()))
     return per_step, not scheduler.has_unfinished_requests(), request.num_computed_tokens
 
 

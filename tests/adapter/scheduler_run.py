@@ -242,30 +242,42 @@ def _step_record(scheduler_output, engine_outputs) -> dict:
     }
 
 
+def new_request(request_id: str, tokens: list[int], block_hasher):
+    """A request that decodes ``DECODE_STEPS`` tokens, hashed as ``EngineCore`` hashes it."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True), None,
+                   arrival_time=0.0, block_hasher=block_hasher)
+
+
+def step(scheduler):
+    """One engine step: ``schedule()``, the stand-in model runner's output, the drafter's proposals.
+    Returns ``(scheduler_output, engine_outputs)``."""
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    scheduler_output = scheduler.schedule()
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    # A partial prefill chunk samples nothing; otherwise one token, every draft rejected.
+    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN_ID] for r in req_ids]
+    engine_outputs = scheduler.update_from_output(scheduler_output, ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled))
+    k = scheduler.num_spec_tokens
+    if k:
+        drafting = [r for r in req_ids if r in scheduler.requests]
+        scheduler.update_draft_token_ids(DraftTokenIds(drafting, [[DRAFT_TOKEN_ID] * k for _ in drafting]))
+    return scheduler_output, engine_outputs
+
+
 def serve(scheduler, block_hasher, request_id: str, tokens: list[int], trace: list) -> dict:
     """Add one request and step the scheduler until it finishes; returns its ``num_cached_tokens`` and the
     pool's boundaries for its prompt at admission."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-    from vllm.v1.request import Request
-
-    request = Request(request_id, list(tokens), SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True), None,
-                      arrival_time=0.0, block_hasher=block_hasher)
+    request = new_request(request_id, tokens, block_hasher)
     retained = _retained(scheduler, request)
     scheduler.add_request(request)
     num_cached_tokens = None
-    k = scheduler.num_spec_tokens
     while scheduler.has_unfinished_requests():
-        scheduler_output = scheduler.schedule()
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        # A partial prefill chunk samples nothing; otherwise one token, every draft rejected.
-        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN_ID] for r in req_ids]
-        engine_outputs = scheduler.update_from_output(scheduler_output, ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled))
-        if k:
-            drafting = [r for r in req_ids if r in scheduler.requests]
-            scheduler.update_draft_token_ids(DraftTokenIds(drafting, [[DRAFT_TOKEN_ID] * k for _ in drafting]))
-        record = _step_record(scheduler_output, engine_outputs)
+        record = _step_record(*step(scheduler))
         trace.append(record)
         for o in record["outputs"]:
             if o["req_id"] == request_id and o["prefill_stats"] is not None:
