@@ -138,6 +138,7 @@ class CoordinatorModel:
             (``write_note`` says why).
         walked: the spec groups whose leading run a lookup's walks of vLLM's full-attention groups give,
             with those groups' indices in vLLM's lookup order (:func:`walk_sources`).
+        hits: recent reference hits on this layout (:class:`HitMemo`).
     """
 
     layout: Layout
@@ -149,6 +150,7 @@ class CoordinatorModel:
     write: WriteModel | None = None
     write_note: str = ""
     walked: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    hits: HitMemo = dataclasses.field(default_factory=lambda: HitMemo(), compare=False, repr=False)
 
     @property
     def unitary(self) -> bool:
@@ -410,6 +412,16 @@ class _Run(NamedTuple):
     walked: int
 
 
+def pool_has(get_cached_block: Callable, block_hashes: Sequence, hash_block: int, group_ids: Sequence[int],
+             x: int) -> bool:
+    """Whether the request's block hash ending at token ``x`` is cached for every group of ``group_ids``
+    (``get_cached_block``: vLLM's ``BlockPool.get_cached_block``)."""
+    j, rest = divmod(x, hash_block)
+    if rest:
+        raise ValueError(f"boundary {x} is not a multiple of the hash unit {hash_block}")
+    return 0 < j <= len(block_hashes) and get_cached_block(block_hashes[j - 1], group_ids) is not None
+
+
 class PoolCache(CacheState):
     """The cache a request sees in vLLM's block pool: spec group ``k`` has boundary ``x`` when the
     request's block hash ending at ``x`` is cached for every KV-cache group of ``k`` (vLLM:
@@ -428,7 +440,6 @@ class PoolCache(CacheState):
 
     def __init__(self, block_pool, block_hashes: Sequence, hash_block: int,
                  members: Sequence[Sequence[int]], runs: dict[int, _Run] | None = None) -> None:
-        n = len(block_hashes)
         members = [list(m) for m in members]
         get_cached_block = block_pool.get_cached_block
         memo: dict[tuple[int, int], bool] = {}
@@ -437,15 +448,12 @@ class PoolCache(CacheState):
             key = (k, x)
             found = memo.get(key)
             if found is None:
-                j, rest = divmod(x, hash_block)
-                if rest:
-                    raise ValueError(f"boundary {x} is not a multiple of the hash unit {hash_block}")
-                found = 0 < j <= n and get_cached_block(block_hashes[j - 1], members[k]) is not None
-                memo[key] = found
+                found = memo[key] = pool_has(get_cached_block, block_hashes, hash_block, members[k], x)
             return found
 
         super().__init__(has)
         self.runs = runs or {}
+        self.asked = memo  # (k, x) -> answer, in the order the boundaries were first asked about
 
     def run_from(self, k, start, unit, limit):
         """``CacheState.run_from``; from block 0 of a walked group, the walk's answer."""
@@ -459,6 +467,47 @@ class PoolCache(CacheState):
         if last > self.max_query:
             self.max_query = last
         return n
+
+
+class HitMemo:
+    """Reference hits of recent lookups on one layout, each with the pool answers it was computed from.
+
+    ``refimpl.hit_tokens`` is a pure function of the layout's sizes, ``N`` and what the cache answers: the
+    leading runs vLLM's walks found (:class:`PoolCache` ``runs``) and the boundaries it asked the pool
+    about (``PoolCache.asked``). A later lookup with the same ``N`` and runs whose pool gives the same
+    answer for every one of those boundaries would make the refimpl ask exactly those (each question it
+    asks is decided by the answers before it) and return the same hit; one different answer and the hit is
+    computed again. A repeated lookup (a request waiting for blocks is looked up at every scheduler step;
+    a prompt sent again) then costs vLLM's walk and the probes, not the refimpl's Python.
+    ``tests/adapter/test_pool_cache.py`` checks memoised hits against fresh ones as the pool changes.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self.entries: dict[tuple, tuple[tuple, int, int]] = {}
+
+    def hit(self, coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
+            walks: Sequence[_Walk | None], n_tokens: int) -> tuple[int, int]:
+        """``(hit, reach)`` of ``refimpl.hit_tokens`` on the request's :func:`pool_cache` under the
+        reference policy. The runs are a function of what the walks found and how far they looked (their
+        blocks are the coordinator's), so those are the key with ``N``."""
+        key = (n_tokens, tuple([(w.found, w.walked) for w in walks if w is not None]))
+        entry = self.entries.get(key)
+        if entry is not None:
+            asked, hit, reach = entry
+            get_cached_block, members = coordinator.block_pool.get_cached_block, model.members
+            h = model.sizes.hash_block
+            for (k, x), answer in asked:
+                if pool_has(get_cached_block, block_hashes, h, members[k], x) != answer:
+                    break
+            else:
+                return hit, reach
+        cache = pool_cache(coordinator, block_hashes, model, walks=walks)
+        hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
+        if len(self.entries) >= self.capacity:
+            self.entries.clear()
+        self.entries[key] = (tuple(cache.asked.items()), hit, reach)
+        return hit, reach
 
 
 class _OneGroup(CacheState):
@@ -667,8 +716,7 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
     n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
     spec_groups, alignment = _spec_groups(coordinator)
     walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
-    cache = pool_cache(coordinator, block_hashes, model, walks=walks)
-    hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
+    hit, reach = model.hits.hit(coordinator, model, block_hashes, walks, n_tokens)
     out: list[list] = [[] for _ in coordinator.single_type_managers]
     for spec_group, walk in zip(spec_groups, walks):
         blocks = _spec_group_blocks(coordinator, spec_group, walk, block_hashes, hit, alignment)
@@ -685,10 +733,11 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
     # than vLLM does, so the first group is asked about with vLLM's members.
     first = spec_groups[0][1]
     k = model.spec_group_of[first[0]]
+    members = None
     if tuple(first) != model.members[k]:
         members = list(model.members)
         members[k] = tuple(first)
-        cache = pool_cache(coordinator, block_hashes, model, members, walks)
+    cache = pool_cache(coordinator, block_hashes, model, members, walks)
     longest = group_reference_hit(model, cache, k, min(max_cache_hit_length, reach), reach)
     if longest < hit:
         raise _Inconsistent(f"the first spec group alone serves {longest} < the reference hit {hit}")

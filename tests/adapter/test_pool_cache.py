@@ -4,12 +4,14 @@ asking the pool again (``v0_33.PoolCache``); it must answer every query as the p
 Two comparisons: the run arithmetic on a made-up pool, against ``refimpl.CacheState``'s loop over the
 same boundaries; and on vLLM's real block pool after request streams with eviction, a cache told the
 walks of vLLM's ``FullAttentionManager.find_longest_cache_hit`` against one that asks the pool for
-everything, query by query and hit by hit.
+everything, query by query and hit by hit. The hits the enforced lookup memoises (``v0_33.HitMemo``) are
+compared with fresh ones as a made-up pool changes under them, and on the real pool after eviction.
 """
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -57,6 +59,61 @@ def test_walked_run_answers_run_from_like_the_loop_over_the_pool(data, h, scale,
         got, want = cache.run_from(0, start, unit, limit), truth.run_from(0, start, unit, limit)
         assert got == want, (start, unit, limit, got, want)
         assert cache.max_query == truth.max_query
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_memoised_hit_is_the_hit_of_the_pool_as_it_is_now(data):
+    """Qwen3-Next-like full 1600 + Mamba 1600 (MTP drop): lookups of a few prompt lengths while the pool
+    gains and loses full-attention blocks and Mamba states between them; every ``HitMemo.hit`` equals
+    ``refimpl.hit_tokens`` on a fresh cache of the pool as it is at that lookup, both when the memo's answer
+    is reused and when a changed state makes it recompute (:func:`test_memoised_hit_checks_both_paths`)."""
+    sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop", 2, True))
+    b = sizes.hash_block
+    full, mamba = (sizes.groups[k].members for k in range(2))
+    n_hashes = 12
+    full_cached = set(range(data.draw(st.integers(0, n_hashes))))  # a leading run of full-attention blocks
+    mamba_cached = set(data.draw(st.lists(st.integers(0, n_hashes - 1), max_size=4)))
+    pool = SimpleNamespace(get_cached_block=lambda j, ids: (
+        [j] * len(ids) if j in (full_cached if tuple(ids) == full else mamba_cached) else None))
+    coordinator = SimpleNamespace(block_pool=pool)
+    model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=((0, (0,)),), hits=v0_33.HitMemo())
+    hashes = list(range(n_hashes))
+    for _ in range(12):
+        if data.draw(st.booleans()):
+            (mamba_cached.symmetric_difference_update if data.draw(st.booleans()) else
+             full_cached.symmetric_difference_update)({data.draw(st.integers(0, n_hashes - 1))})
+        n = data.draw(st.sampled_from([5 * b + 1, 7 * b + 10, 9 * b, n_hashes * b]))
+        hashes_n = hashes[: R.num_hashes(sizes, n)]
+        walked = min(n - 1 + sizes.groups[0].margin, len(hashes_n) * b) // b
+        run = next(i for i in range(walked + 1) if i == walked or i not in full_cached)
+        walks = [v0_33._Walk(list(full), b, ([],), run * b, walked), None]
+        got = model.hits.hit(coordinator, model, hashes_n, walks, n)
+        fresh = v0_33.pool_cache(coordinator, hashes_n, model, walks=walks)
+        want = R.hit_tokens(fresh, sizes, n, R.REFERENCE)[:2]
+        assert got == want, (n, sorted(full_cached), sorted(mamba_cached), got, want)
+
+
+def test_memoised_hit_checks_both_paths():
+    """The property above sees a reused answer and a recomputed one for the same key: a stale Mamba state
+    changes the hit while the walk stays the same."""
+    sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop", 2, True))
+    b = sizes.hash_block
+    full, mamba = (sizes.groups[k].members for k in range(2))
+    full_cached, mamba_cached = set(range(12)), {4, 6}
+    pool = SimpleNamespace(get_cached_block=lambda j, ids: (
+        [j] * len(ids) if j in (full_cached if tuple(ids) == full else mamba_cached) else None))
+    coordinator = SimpleNamespace(block_pool=pool)
+    model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=((0, (0,)),), hits=v0_33.HitMemo())
+    n = 9 * b + 5
+    walks = [v0_33._Walk(list(full), b, ([],), 9 * b, 9), None]
+    assert model.hits.hit(coordinator, model, list(range(9)), walks, n)[0] == 7 * b  # state 6 ends at 7b
+    entry = model.hits.entries[(n, ((9 * b, 9),))]
+    assert model.hits.hit(coordinator, model, list(range(9)), walks, n)[0] == 7 * b
+    assert model.hits.entries[(n, ((9 * b, 9),))] is entry  # reused
+    mamba_cached.discard(6)
+    assert model.hits.hit(coordinator, model, list(range(9)), walks, n)[0] == 5 * b  # state 4 ends at 5b
+    assert model.hits.entries[(n, ((9 * b, 9),))] is not entry  # recomputed
 
 
 # (catalogue layout, DCP, speculative mode, speculative tokens): full-attention groups walked at block
@@ -116,6 +173,8 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
                      v0_33.pool_cache(coordinator, hashes, model)]
             hits = [R.hit_tokens(c, model.sizes, len(tokens), R.REFERENCE) for c in fresh]
             assert hits[0] == hits[1] and fresh[0].max_query == fresh[1].max_query, (len(tokens), hits)
+            memoised = model.hits.hit(coordinator, model, hashes, walks, len(tokens))
+            assert memoised == hits[1][:2], (len(tokens), memoised, hits)
             reach = len(hashes) * model.sizes.hash_block
             for kk in range(len(model.sizes.groups)):
                 alone = [v0_33.group_reference_hit(model, c, kk, min(cap, reach), reach) for c in fresh]
