@@ -103,6 +103,8 @@ def _plan_parser(sub):
     p.add_argument("--plot", metavar="PNG", help="write hit length vs prompt length for the best settings")
     p.add_argument("--plot-settings", type=int, default=3, help="settings in the plot (default 3)")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    p.add_argument("--jobs", type=int, default=None, metavar="J",
+                   help="worker processes for large workloads (default: the CPUs available; 1: no workers)")
 
 
 def _fail(command, message):
@@ -145,12 +147,12 @@ def _plan(args):
                                      operator_groups=operator_groups,
                                      prefix_match_units=args.prefix_match_units, cache=args.cache,
                                      retention_intervals=args.retention_intervals)
-        result = plan.evaluate(candidates, workload)
+        result = plan.evaluate(candidates, workload, jobs=args.jobs)
         if candidates.intervals:
             first, _ = plan.rank(result, args.rank_by)
             added = plan.with_retention(candidates, first, args.retention_top,
                                         explicit=args.retention_intervals is not None)
-            plan.evaluate(candidates, workload, added)
+            plan.evaluate(candidates, workload, added, jobs=args.jobs)
     except ValueError as e:
         return _fail("plan", e)
     ranked = plan.rank(result, args.rank_by)

@@ -17,7 +17,10 @@ read per distinct ``(N, P)``, so every setting is first evaluated at vLLM's defa
 and the other intervals only for the best few (``retention_top``).
 """
 
+import concurrent.futures
 import math
+import multiprocessing
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,36 +273,87 @@ def retained_of(writes):
     return sum(refimpl.retained_states(g) for g in writes if g.kind.value in ("swa", "mamba"))
 
 
-def evaluate(cands, workload, settings=None):
+def _evaluate_one(s, policy, workload, replay):
+    """``(mean cached tokens, requests reading past |H|, mean retained states)`` of one setting under one
+    policy; ``replay`` (``{P: replay boundaries}`` of the setting's sizes and policy) is used and filled."""
+    rules = refimpl.policy_rules(policy)
+    memo, written = {}, {}
+    total = past = states = 0
+    for n, p in workload:
+        key = (n, p)
+        if key not in memo:
+            writes, kept = None, 0
+            if s.retention != "dense" and p > 0:
+                if p not in written:
+                    if p not in replay:
+                        replay[p] = replay_boundaries(s.sizes, p, rules)
+                    w = _writes(s, p, rules, replay[p])
+                    written[p] = w, retained_of(w)
+                writes, kept = written[p]
+            hit, reach = hit_of(s, n, p, policy, writes)
+            memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), kept)
+        hit, bad, kept = memo[key]
+        total += hit
+        past += bad
+        states += kept
+    return total / len(workload), past, states / len(workload)
+
+
+_shared = {}  # what forked workers read: the settings and the workload (inherited, not pickled)
+
+
+def _evaluate_task(i, policy, replay):
+    s = _shared["settings"][i]
+    return _evaluate_one(s, policy, _shared["workload"], replay), replay
+
+
+PARALLEL_MIN_WORK = 20_000
+"""Settings x policies x distinct requests below which ``evaluate`` stays in one process (forking costs
+more than it saves)."""
+
+
+def default_jobs():
+    """Worker processes ``evaluate`` uses by default: the CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def evaluate(cands, workload, settings=None, jobs=None):
     """Fill in each setting's expected cached tokens and retained states per request, per policy
     (``settings``: only these, default all). Work is done once per distinct ``P`` (what the earlier
-    request left, and its retained states) and once per distinct ``(N, P)`` (the hit)."""
-    for s in cands.settings if settings is None else settings:
-        for policy in POLICIES:
-            rules = refimpl.policy_rules(policy)
-            memo, written = {}, {}
-            replay = cands.replay.setdefault((s.sizes, policy), {})
-            total = past = states = 0
-            for n, p in workload:
-                key = (n, p)
-                if key not in memo:
-                    writes, kept = None, 0
-                    if s.retention != "dense" and p > 0:
-                        if p not in written:
-                            if p not in replay:
-                                replay[p] = replay_boundaries(s.sizes, p, rules)
-                            w = _writes(s, p, rules, replay[p])
-                            written[p] = w, retained_of(w)
-                        writes, kept = written[p]
-                    hit, reach = hit_of(s, n, p, policy, writes)
-                    memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), kept)
-                hit, bad, kept = memo[key]
-                total += hit
-                past += bad
-                states += kept
-            s.mean[policy] = total / len(workload)
-            s.past_hashes[policy] = past
-            s.states[policy] = states / len(workload)
+    request left, and its retained states) and once per distinct ``(N, P)`` (the hit).
+
+    Each (setting, policy) is independent: with ``jobs`` > 1 (default: :func:`default_jobs`, when the
+    work is large enough) they run in that many forked worker processes. Results are the same numbers
+    either way (pure functions of the setting and the workload)."""
+    settings = cands.settings if settings is None else settings
+    tasks = [(i, policy) for i, s in enumerate(settings) for policy in POLICIES]
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    work = len(tasks) * len(set(workload))
+    if jobs == 1 or work < PARALLEL_MIN_WORK or "fork" not in multiprocessing.get_all_start_methods():
+        results = [(_evaluate_one(settings[i], policy, workload,
+                                  cands.replay.setdefault((settings[i].sizes, policy), {})), None)
+                   for i, policy in tasks]
+    else:
+        _shared.update(settings=settings, workload=workload)
+        try:
+            context = multiprocessing.get_context("fork")
+            with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
+                futures = [pool.submit(_evaluate_task, i, policy,
+                                       cands.replay.get((settings[i].sizes, policy), {}))
+                           for i, policy in tasks]
+                results = [f.result() for f in futures]
+        finally:
+            _shared.clear()
+    for (i, policy), (numbers, replay) in zip(tasks, results):
+        s = settings[i]
+        s.mean[policy], s.past_hashes[policy], s.states[policy] = numbers
+        if replay is not None:
+            cands.replay.setdefault((s.sizes, policy), {}).update(replay)
     return cands
 
 

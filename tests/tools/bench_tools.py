@@ -5,7 +5,8 @@ The dense-cache table's baseline, measured in the same run, is the straightforwa
 with a CacheState.up_to cache per request, without DenseCache or the per-(N, P) memo (timed on a sample and
 scaled). The written-cache table (the default of ``kvhit plan``: each request reads what its shared prefix
 left) times what the CLI does, every setting at R = 0 and then the best three at the other intervals, on
-10,000 prompts (gemma and three_kind on 1,000); its baseline, in the same run, is the evaluation before
+10,000 prompts (gemma and three_kind on 1,000), in one process and in the worker processes ``kvhit plan``
+uses by default (one per available CPU); its baseline, in the same run, is the evaluation before
 kvhit.written (refimpl.request_writes and refimpl.written_cache per distinct P and (N, P), the same settings),
 timed on the first 300 requests and scaled by the distinct (N, P) pairs.
 """
@@ -56,14 +57,15 @@ def _written_baseline(cands, workload, sample=300):
     return (time.perf_counter() - started) * len(set(workload)) / len(set(part))
 
 
-def _written_plan(name, spec, workload):
+def _written_plan(name, spec, workload, jobs):
     """What ``kvhit plan`` does on the written cache: every setting at R = 0, then the best three at the
-    other retention intervals. Returns the candidates and the seconds to the end of each stage."""
+    other retention intervals, in ``jobs`` processes. Returns the candidates and the seconds to the end of
+    each stage."""
     started = time.perf_counter()
-    cands = plan.evaluate(plan.candidates(catalogue()[name], spec), workload)
+    cands = plan.evaluate(plan.candidates(catalogue()[name], spec), workload, jobs=jobs)
     stage1 = time.perf_counter() - started
     added = plan.with_retention(cands, plan.rank(cands, "reference")[0], 3)
-    plan.evaluate(cands, workload, added)
+    plan.evaluate(cands, workload, added, jobs=jobs)
     plan.rank(cands, "reference")
     return cands, stage1, time.perf_counter() - started
 
@@ -84,23 +86,26 @@ def main():
                              ("dsv4_cuda", speculation("drop", 1), "uniform:2000:60000")]:
         workload = plan.synthetic_workload(dist, "uniform:0:2000", 10000, 0)
         started = time.perf_counter()
-        cands = plan.evaluate(plan.candidates(catalogue()[name], spec, cache="dense"), workload)
+        cands = plan.evaluate(plan.candidates(catalogue()[name], spec, cache="dense"), workload, jobs=1)
         plan.rank(cands, "reference")
         elapsed = time.perf_counter() - started
         base = _baseline(cands, workload)
         print(f"{name + ' ' + dist:<40} {len(cands.settings):>8} {elapsed:>8.2f} {base:>11.1f} {base / elapsed:>6.1f}x")
     print()
-    print(f"{'written cache (the default)':<34} {'requests':>8} {'distinct P':>10} {'settings':>8} {'R=0 s':>7} "
-          f"{'plan s':>7} {'baseline s':>11} {'ratio':>7}")
+    jobs = plan.default_jobs()
+    print(f"{'written cache (the default)':<34} {'requests':>8} {'distinct P':>10} {'settings':>8} {'jobs':>4} "
+          f"{'R=0 s':>7} {'plan s':>7} {'baseline s':>11} {'ratio':>7}")
     for name, spec, dist, requests in [("qwen3next", speculation("drop", 2, True), "uniform:2000:30000", 10000),
                                        ("dsv4_report", speculation("drop", 1), "uniform:8000:70000", 10000),
                                        ("gemma", speculation("drop", 1), "uniform:500:30000", 1000),
                                        ("three_kind", speculation("drop", 1), "uniform:2000:30000", 1000)]:
         workload = plan.synthetic_workload(dist, "uniform:0:2000", requests, 0)
-        cands, stage1, elapsed = _written_plan(name, spec, workload)
-        base = _written_baseline(cands, workload)
-        print(f"{name + ' ' + dist:<34} {requests:>8} {len({p for _, p in workload}):>10} {len(cands.settings):>8} "
-              f"{stage1:>7.2f} {elapsed:>7.2f} {base:>11.1f} {base / elapsed:>6.1f}x")
+        base = None
+        for j in sorted({1, jobs}):
+            cands, stage1, elapsed = _written_plan(name, spec, workload, j)
+            base = _written_baseline(cands, workload) if base is None else base
+            print(f"{name + ' ' + dist:<34} {requests:>8} {len({p for _, p in workload}):>10} "
+                  f"{len(cands.settings):>8} {j:>4} {stage1:>7.2f} {elapsed:>7.2f} {base:>11.1f} {base / elapsed:>6.1f}x")
 
 
 def _cli_start():

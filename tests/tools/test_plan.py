@@ -1,5 +1,7 @@
 """kvhit plan: the ranking is what the refimpl gives when each setting is evaluated directly."""
 
+import concurrent.futures
+
 import pytest
 
 from kvhit import plan, refimpl
@@ -45,6 +47,39 @@ def test_top_setting_really_gives_the_most_cached_tokens(name, spec, workload_ar
         for s in ranked:
             assert (s.mean[policy], s.states[policy]) == pytest.approx(direct[s.label])
         assert [direct[s.label][0] for s in ranked] == sorted((d[0] for d in direct.values()), reverse=True)
+
+
+def test_worker_processes_give_the_numbers_of_one_process(monkeypatch):
+    """``evaluate`` with two forked workers (the size threshold lowered so this small workload uses them)
+    fills in the same means, retained states, past-hash counts and replay boundaries as in one process,
+    for the first stage and for the retention stage that reuses the replay boundaries."""
+    workload = plan.synthetic_workload("uniform:2000:30000", "uniform:0:2000", 40, 5)
+    pools = []
+
+    class Pool(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, workers, **kwargs):
+            pools.append(workers)
+            super().__init__(workers, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(plan, "PARALLEL_MIN_WORK", 0)
+    results = []
+    for jobs in (1, 2):
+        cands = plan.evaluate(plan.candidates(catalogue()["qwen3next"], speculation("drop", 2, True)),
+                              workload, jobs=jobs)
+        added = plan.with_retention(cands, plan.rank(cands, "reference")[0], 2)
+        plan.evaluate(cands, workload, added, jobs=jobs)
+        results.append(([(s.label, s.mean, s.states, s.past_hashes) for s in cands.settings],
+                        {k: dict(v) for k, v in cands.replay.items()}))
+    assert pools == [2, 2]  # jobs=1 made no pool, jobs=2 one per stage
+    assert results[0] == results[1]
+    distinct = len({p for _, p in workload})
+    assert len(results[0][0]) > 10 and all(len(v) == distinct for v in results[0][1].values())
+
+
+def test_jobs_must_be_positive():
+    with pytest.raises(ValueError, match="jobs must be at least 1, got 0"):
+        plan.evaluate(plan.candidates(catalogue()["full16"], speculation("none")), [(100, 100)], jobs=0)
 
 
 def test_retention_intervals_are_tried_on_the_best_settings_and_ranked_with_their_cost():
