@@ -14,7 +14,8 @@ or a multiple of the scheduler block). Its memory cost is the retained-state cou
 of what the earlier request left, summed over the sliding-window and Mamba groups (Mamba states plus
 sliding-window blocks), per request on average. Each setting costs a write side per distinct ``P`` and a
 read per distinct ``(N, P)``, so every setting is first evaluated at vLLM's default retention interval 0
-and the other intervals only for the best few (``retention_top``).
+and the other intervals only for the best few (``retention_top``); on a large workload each (setting, policy)
+runs in a forked worker process (``evaluate``'s ``jobs``).
 """
 
 import concurrent.futures
@@ -329,7 +330,7 @@ def evaluate(cands, workload, settings=None, jobs=None):
     work is large enough) they run in that many forked worker processes. Results are the same numbers
     either way (pure functions of the setting and the workload)."""
     settings = cands.settings if settings is None else settings
-    tasks = [(i, policy) for i, s in enumerate(settings) for policy in POLICIES]
+    tasks = [(i, policy) for i in range(len(settings)) for policy in POLICIES]
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")

@@ -61,6 +61,18 @@ def test_walked_run_answers_run_from_like_the_loop_over_the_pool(data, h, scale,
         assert cache.max_query == truth.max_query
 
 
+def _qwen3next_on(full_cached, mamba_cached):
+    """A coordinator and model of Qwen3-Next-like full 1600 + Mamba 1600 (MTP 2, drop) whose pool holds
+    block hash ``j`` for full attention when ``j in full_cached`` and for Mamba when ``j in mamba_cached``
+    (the sets as they are at each query), with an empty :class:`v0_33.HitMemo`."""
+    sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop", 2, True))
+    full, mamba = (sizes.groups[k].members for k in range(2))
+    pool = SimpleNamespace(get_cached_block=lambda j, ids: (
+        [j] * len(ids) if j in (full_cached if tuple(ids) == full else mamba_cached) else None))
+    model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=((0, (0,)),), hits=v0_33.HitMemo())
+    return SimpleNamespace(block_pool=pool), model
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_memoised_hit_is_the_hit_of_the_pool_as_it_is_now(data):
@@ -68,16 +80,12 @@ def test_memoised_hit_is_the_hit_of_the_pool_as_it_is_now(data):
     gains and loses full-attention blocks and Mamba states between them; every ``HitMemo.hit`` equals
     ``refimpl.hit_tokens`` on a fresh cache of the pool as it is at that lookup, both when the memo's answer
     is reused and when a changed state makes it recompute (:func:`test_memoised_hit_checks_both_paths`)."""
-    sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop", 2, True))
-    b = sizes.hash_block
-    full, mamba = (sizes.groups[k].members for k in range(2))
     n_hashes = 12
     full_cached = set(range(data.draw(st.integers(0, n_hashes))))  # a leading run of full-attention blocks
     mamba_cached = set(data.draw(st.lists(st.integers(0, n_hashes - 1), max_size=4)))
-    pool = SimpleNamespace(get_cached_block=lambda j, ids: (
-        [j] * len(ids) if j in (full_cached if tuple(ids) == full else mamba_cached) else None))
-    coordinator = SimpleNamespace(block_pool=pool)
-    model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=((0, (0,)),), hits=v0_33.HitMemo())
+    coordinator, model = _qwen3next_on(full_cached, mamba_cached)
+    sizes, full = model.sizes, model.members[0]
+    b = sizes.hash_block
     hashes = list(range(n_hashes))
     for _ in range(12):
         if data.draw(st.booleans()):
@@ -97,14 +105,9 @@ def test_memoised_hit_is_the_hit_of_the_pool_as_it_is_now(data):
 def test_memoised_hit_checks_both_paths():
     """The property above sees a reused answer and a recomputed one for the same key: a stale Mamba state
     changes the hit while the walk stays the same."""
-    sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop", 2, True))
-    b = sizes.hash_block
-    full, mamba = (sizes.groups[k].members for k in range(2))
-    full_cached, mamba_cached = set(range(12)), {4, 6}
-    pool = SimpleNamespace(get_cached_block=lambda j, ids: (
-        [j] * len(ids) if j in (full_cached if tuple(ids) == full else mamba_cached) else None))
-    coordinator = SimpleNamespace(block_pool=pool)
-    model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=((0, (0,)),), hits=v0_33.HitMemo())
+    mamba_cached = {4, 6}
+    coordinator, model = _qwen3next_on(set(range(12)), mamba_cached)
+    b, full = model.sizes.hash_block, model.members[0]
     n = 9 * b + 5
     walks = [v0_33._Walk(list(full), b, ([],), 9 * b, 9), None]
     assert model.hits.hit(coordinator, model, list(range(9)), walks, n)[0] == 7 * b  # state 6 ends at 7b
