@@ -595,17 +595,18 @@ def _n_tokens(model: CoordinatorModel, block_hashes: Sequence, max_cache_hit_len
 
 
 def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
-                  max_cache_hit_length: int) -> tuple[PoolCache, int, int]:
-    """``(cache, hit, reach)`` of the reference policy for a request whose lookup vLLM capped at
-    ``max_cache_hit_length`` (shadow mode: every query goes to the pool).
+                  max_cache_hit_length: int) -> tuple[int, int]:
+    """``(hit, reach)`` of the reference policy for a request whose lookup vLLM capped at
+    ``max_cache_hit_length``, as the enforced lookup computes it (shadow mode): vLLM's finder walks each
+    full-attention prefix (:func:`_walks`) and the hit is memoised (:class:`HitMemo`).
 
     Raises:
         _Stock: see :func:`_n_tokens`.
     """
     n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
-    cache = pool_cache(coordinator, block_hashes, model)
-    hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
-    return cache, hit, reach
+    spec_groups, alignment = _spec_groups(coordinator)
+    walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
+    return model.hits.hit(coordinator, model, block_hashes, walks, n_tokens)
 
 
 def group_reference_hit(model: CoordinatorModel, cache: CacheState, k: int, bound: int, reach: int) -> int:
@@ -908,7 +909,7 @@ def _find_longest_cache_hit(original: Callable, coordinator: KVCacheCoordinator,
     if _mode == "shadow":
         result = original(coordinator, block_hashes, max_cache_hit_length)
         try:
-            _, reference, _ = reference_hit(coordinator, model, block_hashes, max_cache_hit_length)
+            reference, _ = reference_hit(coordinator, model, block_hashes, max_cache_hit_length)
         except _Stock as e:
             log_once(logging.INFO, "kvhit shadow: not compared: %s", e)
             return result
