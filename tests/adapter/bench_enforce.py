@@ -6,7 +6,8 @@ For each layout and prompt length (32k and 128k tokens), one harness is built un
 prompt served once; then ``KVCacheManager.get_computed_blocks`` of a resend is timed on that same block
 pool in alternating rounds with kvhit uninstalled (stock vLLM) and enforced, and the ratio enforce / stock
 of the median times is printed: for a repeated lookup (the reference hit memoised by ``v0_33.HitMemo``,
-the pool still probed) and for a first one (the memo emptied before every call). The target (issue 5) is a ratio of at most 1.10; this script only reports it.
+the pool still probed) and for a first one (the memo emptied before every call). The target (issue 5) is a
+ratio of at most 1.10; this script only reports it.
 It also prints the first-repeat hit of the reported cases, stock vs enforce, each on its own harness.
 """
 
@@ -82,9 +83,9 @@ def _time_lookup(harness, tokens, rounds=21, round_seconds=0.005):
 
 
 def main() -> None:
-    print("get_computed_blocks of a resend, median us per call; 'repeat': the lookup is made again (a waiting request,\n"
-          "a prompt sent again: the reference hit is memoised, the pool probes are not); 'first': every call\n"
-          "computes the reference hit (the first lookup of a prompt length)")
+    print("get_computed_blocks of a resend, median us per call; 'repeat': the lookup is made again (a waiting\n"
+          "request, a prompt sent again: the reference hit is memoised, the pool probes are not); 'first': every\n"
+          "call computes the reference hit (the first lookup of a prompt length)")
     print(f"{'layout':<12} {'mode':<10} {'R':>3} {'N':>7} {'stock us':>9} {'repeat us':>10} {'ratio':>6} "
           f"{'first us':>9} {'ratio':>6}")
     for name, mode, k, retention, lengths in CASES:

@@ -105,7 +105,8 @@ def main():
             cands, stage1, elapsed = _written_plan(name, spec, workload, j)
             base = _written_baseline(cands, workload) if base is None else base
             print(f"{name + ' ' + dist:<34} {requests:>8} {len({p for _, p in workload}):>10} "
-                  f"{len(cands.settings):>8} {j:>4} {stage1:>7.2f} {elapsed:>7.2f} {base:>11.1f} {base / elapsed:>6.1f}x")
+                  f"{len(cands.settings):>8} {j:>4} {stage1:>7.2f} {elapsed:>7.2f} {base:>11.1f} "
+                  f"{base / elapsed:>6.1f}x")
 
 
 def _cli_start():
