@@ -56,9 +56,14 @@ _NEMOTRON_H = {
     "conv_kernel": 4, "expand": 1, "max_position_embeddings": 16384, "bos_token_id": 1, "eos_token_id": 2,
     "torch_dtype": "float32",
 }
+# The Llama with one KV head (and 8 query heads): vLLM accepts decode context parallelism for GQA/MQA only
+# when the tensor-parallel size exceeds the KV heads, and needs the query heads divisible by it (up to 8).
+_LLAMA_MQA = {**_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 1, "hidden_size": 256}
 MODELS = {
     "llama": _LLAMA,
     "llama_eagle_draft": {**_LLAMA, "num_hidden_layers": 1},
+    "llama_mqa": _LLAMA_MQA,
+    "llama_mqa_eagle_draft": {**_LLAMA_MQA, "num_hidden_layers": 1},
     "nemotron_h_mtp": _NEMOTRON_H,
 }
 
@@ -82,6 +87,40 @@ def llama_eagle_layers(vllm_config) -> dict:
     c = MODELS["llama"]
     return _attention_layers(vllm_config.cache_config.block_size, c["num_hidden_layers"], 1,
                              c["num_key_value_heads"], c["head_dim"])
+
+
+def llama_swa_eagle_layers(vllm_config) -> dict:
+    """A Gemma-like target: layer 0 full attention, layer 1 a 64-token sliding window; EAGLE-1 draft (1
+    full-attention layer)."""
+    import torch
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    c = MODELS["llama"]
+    block = vllm_config.cache_config.block_size
+    layers = _attention_layers(block, 1, 1, c["num_key_value_heads"], c["head_dim"])
+    layers["model.layers.1.self_attn.attn"] = SlidingWindowSpec(
+        block_size=block, num_kv_heads=c["num_key_value_heads"], head_size=c["head_dim"], dtype=torch.float32,
+        sliding_window=64)
+    return layers
+
+
+def llama_mqa_eagle_layers(vllm_config) -> dict:
+    """The one-KV-head Llama (2 layers) + EAGLE-1 draft (1 layer). Under decode context parallelism every
+    layer's cache is sharded (``dcp_sharded``), the draft's too, as vLLM's worker reports an EAGLE drafter's."""
+    c = MODELS["llama_mqa"]
+    return _attention_layers(vllm_config.cache_config.block_size, c["num_hidden_layers"], 1,
+                             c["num_key_value_heads"], c["head_dim"])
+
+
+def llama_mqa_replicated_draft_layers(vllm_config) -> dict:
+    """As :func:`llama_mqa_eagle_layers`, with the draft's cache replicated across the DCP ranks
+    (``dcp_sharded=False``: what vLLM's GPU model runner reports for a draft kept at DCP 1): the catalogue's
+    ``llama_eagle`` layout, a sharded target group and a replicated EAGLE group."""
+    import dataclasses
+
+    return {name: dataclasses.replace(spec, dcp_sharded=False) if name.startswith("draft.") else spec
+            for name, spec in llama_mqa_eagle_layers(vllm_config).items()}
 
 
 def nemotron_h_mtp_layers(vllm_config) -> dict:
@@ -120,7 +159,17 @@ SCENARIOS = {
                   nemotron_h_mtp_layers, 1600, (8000, 8000, 8000, 11910, 11910)),
     "mtp2-lookahead": ("nemotron_h_mtp", {"method": "mtp", "num_speculative_tokens": 2},
                        nemotron_h_mtp_layers, 1600, (8000, 8000, 8000, 11910, 11910)),
+    "swa-eagle-drop": ("llama", {"method": "eagle", "model": "llama_eagle_draft", "num_speculative_tokens": 1,
+                                 "disable_lookahead_block_hashes": True},
+                       llama_swa_eagle_layers, 16, (1000, 1000, 1000)),
 }
+# Decode context parallelism 2, 4 and 8 (reusing the tensor-parallel ranks): scenario -> (DCP, layer specs)
+_DCP = {f"{label}-drop-dcp{dcp}": (dcp, layers) for dcp in (2, 4, 8) for label, layers in (
+    ("eagle", llama_mqa_eagle_layers), ("eagle-replicated", llama_mqa_replicated_draft_layers))}
+SCENARIOS.update({name: ("llama_mqa", {"method": "eagle", "model": "llama_mqa_eagle_draft",
+                                       "num_speculative_tokens": 1, "disable_lookahead_block_hashes": True},
+                         layers, 16, (1024, 1024, 1024)) for name, (_, layers) in _DCP.items()})
+PARALLEL = {name: {"tensor_parallel_size": dcp, "decode_context_parallel_size": dcp} for name, (dcp, _) in _DCP.items()}
 MAX_MODEL_LEN = 16384
 MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -160,7 +209,7 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
     target, speculative, layers_of, block_size, _ = SCENARIOS[name]
     model_config = ModelConfig(model=os.path.join(models_dir, target), skip_tokenizer_init=True,
                                dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
-    parallel_config = ParallelConfig()
+    parallel_config = ParallelConfig(**PARALLEL.get(name, {}))
     speculative = dict(speculative)
     if "model" in speculative:
         speculative["model"] = os.path.join(models_dir, speculative["model"])

@@ -3,8 +3,10 @@
 ``tests/adapter/scheduler_run.py`` runs in a fresh process per mode (the plugin patches process-wide state):
 it calls ``vllm.plugins.load_general_plugins()`` as ``EngineCore`` does (``stock`` does not, and never imports
 kvhit), builds ``ModelConfig`` / ``SpeculativeConfig`` / ``VllmConfig`` from local ``config.json`` files
-(a Llama with an EAGLE-1 draft; a Nemotron-H, Mamba-2 + attention, with two MTP modules), lets vLLM's planner
-group the layers' KV-cache specs, builds the ``Scheduler`` and feeds it synthetic model outputs. Each prompt
+(a Llama with an EAGLE-1 draft, also with a sliding-window layer, and with one KV head under decode context
+parallelism 2, 4 and 8 with the draft's cache sharded or replicated; a Nemotron-H, Mamba-2 + attention, with two
+MTP modules), lets vLLM's planner group the layers' KV-cache specs, builds the ``Scheduler`` and feeds it
+synthetic model outputs. Each prompt
 is served, then repeated; every request's ``num_cached_tokens`` is what ``EngineCoreOutput.prefill_stats``
 reports (the API's ``cached_tokens``).
 
@@ -28,19 +30,35 @@ from tests.adapter import scheduler_run
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The layouts vLLM's planner makes for the scenarios' models. The draft's layers share the target's
-# full-attention spec, so they join its group and flag it as the EAGLE group (``is_eagle_group``).
+# full-attention spec, so they join its group and flag it as the EAGLE group (``is_eagle_group``); with a
+# sliding-window layer, or a replicated draft under DCP, the planner makes one group per layer instead.
 EAGLE_LAYOUT = R.Layout((R.Group("full", 16, eagle=True),), name="Llama + EAGLE draft, block 16")
 MTP_LAYOUT = R.Layout((R.Group("full", 1600, eagle=True), R.Group("mamba", 1600)),
                       name="Nemotron-H + MTP, full 1600 (MTP layers) + Mamba 1600")
-# scenario -> (layout, speculation, KV-cache groups as (spec class, block size, is_eagle_group, layers))
+SWA_LAYOUT = R.Layout((R.Group("full", 16), R.Group("full", 16, eagle=True), R.Group("swa", 16, window=64)),
+                      name="full + sliding window 64 + EAGLE draft, block 16")
+# scenario -> (layout, speculation, KV-cache groups as (spec class, block size, dcp_sharded, is_eagle_group,
+# layers))
 EXPECTED_SETUP = {
-    "eagle-drop": (EAGLE_LAYOUT, R.Speculation("drop", 1), [("FullAttentionSpec", 16, True, 3)]),
-    "eagle-lookahead": (EAGLE_LAYOUT, R.Speculation("lookahead", 1), [("FullAttentionSpec", 16, True, 3)]),
+    "eagle-drop": (EAGLE_LAYOUT, R.Speculation("drop", 1), [("FullAttentionSpec", 16, True, True, 3)]),
+    "eagle-lookahead": (EAGLE_LAYOUT, R.Speculation("lookahead", 1), [("FullAttentionSpec", 16, True, True, 3)]),
     "mtp2-drop": (MTP_LAYOUT, R.Speculation("drop", 2, True),
-                  [("FullAttentionSpec", 1600, True, 3), ("MambaSpec", 1600, False, 3)]),
+                  [("FullAttentionSpec", 1600, True, True, 3), ("MambaSpec", 1600, False, False, 3)]),
     "mtp2-lookahead": (MTP_LAYOUT, R.Speculation("lookahead", 2, True),
-                       [("FullAttentionSpec", 1600, True, 3), ("MambaSpec", 1600, False, 3)]),
+                       [("FullAttentionSpec", 1600, True, True, 3), ("MambaSpec", 1600, False, False, 3)]),
+    "swa-eagle-drop": (SWA_LAYOUT, R.Speculation("drop", 1),
+                       [("FullAttentionSpec", 16, True, False, 1), ("FullAttentionSpec", 16, True, True, 1),
+                        ("SlidingWindowSpec", 16, True, False, 1)]),
 }
+for _dcp in (2, 4, 8):
+    EXPECTED_SETUP[f"eagle-drop-dcp{_dcp}"] = (
+        R.Layout((R.Group("full", 16, eagle=True),), dcp=_dcp), R.Speculation("drop", 1),
+        [("FullAttentionSpec", 16, True, True, 3)])
+    EXPECTED_SETUP[f"eagle-replicated-drop-dcp{_dcp}"] = (
+        R.Layout((R.Group("full", 16), R.Group("full", 16), R.Group("full", 16, dcp_sharded=False, eagle=True)),
+                 dcp=_dcp), R.Speculation("drop", 1),
+        [("FullAttentionSpec", 16, True, False, 1), ("FullAttentionSpec", 16, True, False, 1),
+         ("FullAttentionSpec", 16, False, True, 1)])
 RUNS = {  # name -> (extra arguments, KVHIT_MODE)
     "stock": ([], None),
     "off": (["--load-plugins"], "off"),
@@ -113,7 +131,7 @@ def test_the_scheduler_is_built_with_the_layout_and_speculation_the_expectations
     layout, speculation, groups = EXPECTED_SETUP[scenario]
     for name in RUNS:
         run = runs[name][0]["scenarios"][scenario]
-        assert [(g["spec"], g["block_size"], g["is_eagle_group"], g["num_layers"])
+        assert [(g["spec"], g["block_size"], g["dcp_sharded"], g["is_eagle_group"], g["num_layers"])
                 for g in run["kv_cache_groups"]] == groups, name
         sched = run["scheduler"]
         sizes = R.derive_sizes(layout, speculation)
@@ -138,14 +156,16 @@ def test_enforce_reports_the_reference_num_cached_tokens_and_stock_vllm_0_33s(ru
                 f"pool held {served['retained']}")
 
 
-def test_enforce_keeps_the_eagle_block_stock_vllm_drops(runs):
-    """F2 through the scheduler: EAGLE drop, one full-attention group of block 16, a block-aligned prompt.
-    On the same cache the two policies differ, so this case tells enforce from stock."""
-    (_, stock, _), (_, enforce, _) = (list(_requests(runs[run][0], "eagle-drop"))[1] for run in ("stock", "enforce"))
+@pytest.mark.parametrize("scenario", ["eagle-drop", "eagle-drop-dcp2", "eagle-drop-dcp4", "eagle-drop-dcp8"])
+def test_enforce_keeps_the_eagle_block_stock_vllm_drops(runs, scenario):
+    """F2 through the scheduler: EAGLE drop, one full-attention group of block 16 (32, 64, 128 tokens across
+    the DCP ranks), a block-aligned prompt. On the same cache the two policies differ, so this case tells
+    enforce from stock."""
+    (_, stock, _), (_, enforce, _) = (list(_requests(runs[run][0], scenario))[1] for run in ("stock", "enforce"))
     assert stock["prompt_len"] == enforce["prompt_len"] == 1024 and stock["retained"] == enforce["retained"]
-    assert _expected("eagle-drop", stock, "vllm_0_33") < _expected("eagle-drop", stock, "reference")
+    assert _expected(scenario, stock, "vllm_0_33") < _expected(scenario, stock, "reference")
     assert (stock["num_cached_tokens"], enforce["num_cached_tokens"]) == (
-        _expected("eagle-drop", stock, "vllm_0_33"), _expected("eagle-drop", enforce, "reference"))
+        _expected(scenario, stock, "vllm_0_33"), _expected(scenario, enforce, "reference"))
 
 
 _FIRST_REPEATS = [pytest.param(s, n, id=f"{s}-N{n}") for s, n in (
@@ -154,7 +174,8 @@ _FIRST_REPEATS = [pytest.param(s, n, id=f"{s}-N{n}") for s, n in (
     # The decode steps cache the full-attention block 6400-8000, so a resend can resume at 6400: the
     # reference keeps that Mamba state too (refimpl.resume_points on the decoded cache). Before it did,
     # enforce got 4800 here where stock vLLM gets 6400.
-    ("mtp2-drop", 8000))]
+    ("mtp2-drop", 8000), ("swa-eagle-drop", 1000)) + tuple(
+    (f"{label}-drop-dcp{dcp}", 1024) for label in ("eagle", "eagle-replicated") for dcp in (2, 4, 8))]
 
 
 @pytest.mark.parametrize("scenario, n", _FIRST_REPEATS)
