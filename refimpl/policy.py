@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 90323ec2d5e41c369244492a5bc0231c79936cec8306d62268dd44a101a6ce43
-output-sha256: 75552dea4d9d2209e073398f777dfc9d73b7e540fb0aef7cba3f70be06f8fd1c
+spec-sha256: b6f2a5ab0cec649c74d72a55b61180387cbb3efcb388157fc03710bff33d2766
+output-sha256: 7714b311360723665eb60c564541a027a067c67fb300998a8e42e92db7601491
 """
 
 import itertools
@@ -965,15 +965,32 @@ def partial_tails(sizes: Sizes, k, n_tokens):
         full_before = full
     return tuple(points)
 
+def decoded_tail(sizes: Sizes, k, n_tokens):
+    """The partial-tail entry full-attention group ``k`` holds for the prompt once a decode step has made
+    every prompt token final (``N + 1 + reprefillable`` tokens computed, the sampled one included): that
+    step's caching call registers the highest hash boundary it can cache inside the last, incomplete block
+    (vLLM ``_cache_partial_tail_block``, replacing the prefill's entry on that block; the blocks before it
+    are then cached whole). A later prompt sharing the ``N`` tokens can use it only up to ``N - L``; once the
+    call completes the block, only the whole block's entry is left, past ``N - L``. -1 for none (also when
+    the group's block is the hash unit)."""
+    sg = sizes.groups[k]
+    h = sizes.hash_block
+    if sg.block == h:
+        return NO_JUNCTION
+    tokens = n_tokens + 1 + reprefillable(sizes)
+    x = min(cacheable_tokens(sizes, k, tokens), hash_reach(sizes, tokens)) // h * h
+    inside = x > 0 and (not eq_zero_mod(x, sg.block)) and (x <= n_tokens - sizes.hash_lookahead)
+    return x if inside else NO_JUNCTION
+
 def dense_groups(sizes: Sizes, n_tokens, decoded: bool=False):
     """What the request would leave if every state were retained: each group holds every boundary up to
     its extent (full attention also its partial tail); ``decoded``: once decode steps have cached the rest
-    of the prompt (:func:`group_extent`)."""
+    of the prompt (:func:`group_extent`, :func:`decoded_tail`)."""
     out = []
     for k, sg in enumerate(sizes.groups):
         points = ()
         if sg.kind is Kind.FULL:
-            points = partial_tails(sizes, k, n_tokens)
+            points = (decoded_tail(sizes, k, n_tokens),) if decoded else partial_tails(sizes, k, n_tokens)
         out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens, decoded), True, points))
     return tuple(out)
 
@@ -990,8 +1007,8 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
 
     The decoded cache differs only where the EAGLE drop and the reprefillable tail of multi-module MTP keep
     the cacheable tokens short of the prompt, and there its near and far siblings resume where its resend
-    does (every catalogue layout and speculative mode, prompts up to 8 alignment units): one point, and only
-    then. ``read``: how to read a cache description (:func:`kvhit.spec.terms.written` unless a caller has a
+    does (every catalogue layout at DCP 1, 2, 4 and 8 and every speculative mode, prompts up to 8 alignment
+    units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache description (:func:`kvhit.spec.terms.written` unless a caller has a
     faster reader of the same descriptions)."""
     groups = dense_groups(sizes, n_tokens)
     dense = written_cache(groups) if read is None else read(groups)

@@ -65,6 +65,7 @@ MODELS = {
     "llama_mqa": _LLAMA_MQA,
     "llama_mqa_eagle_draft": {**_LLAMA_MQA, "num_hidden_layers": 1},
     "nemotron_h_mtp": _NEMOTRON_H,
+    "nemotron_h_mtp_mqa": {**_NEMOTRON_H, "num_attention_heads": 8, "num_key_value_heads": 1, "hidden_size": 256},
 }
 
 
@@ -123,15 +124,16 @@ def llama_mqa_replicated_draft_layers(vllm_config) -> dict:
             for name, spec in llama_mqa_eagle_layers(vllm_config).items()}
 
 
-def nemotron_h_mtp_layers(vllm_config) -> dict:
+def nemotron_h_mtp_layers(vllm_config, model: str = "nemotron_h_mtp") -> dict:
     """Nemotron-H (3 Mamba-2 layers, 1 attention layer) + its MTP modules (1 attention layer each), at one
     block size for both kinds (``mamba_cache_mode="align"``) and one page size (the Mamba page padded to the
-    attention page, as ``HybridAttentionMambaModelConfig`` arranges)."""
+    attention page, as ``HybridAttentionMambaModelConfig`` arranges). Under decode context parallelism the
+    attention caches are sharded and the Mamba states are not (``dcp_sharded`` as vLLM's specs default)."""
     import torch
 
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    c = MODELS["nemotron_h_mtp"]
+    c = MODELS[model]
     block = vllm_config.cache_config.block_size
     layers = _attention_layers(block, c["hybrid_override_pattern"].count("*"), c["num_nextn_predict_layers"],
                                c["num_key_value_heads"], c["head_dim"])
@@ -169,7 +171,14 @@ _DCP = {f"{label}-drop-dcp{dcp}": (dcp, layers) for dcp in (2, 4, 8) for label, 
 SCENARIOS.update({name: ("llama_mqa", {"method": "eagle", "model": "llama_mqa_eagle_draft",
                                        "num_speculative_tokens": 1, "disable_lookahead_block_hashes": True},
                          layers, 16, (1024, 1024, 1024)) for name, (_, layers) in _DCP.items()})
-PARALLEL = {name: {"tensor_parallel_size": dcp, "decode_context_parallel_size": dcp} for name, (dcp, _) in _DCP.items()}
+_MTP_DCP = {f"mtp2-{mode}-dcp{dcp}": (dcp, mode) for dcp in (2, 4, 8) for mode in ("drop", "lookahead")}
+SCENARIOS.update({name: ("nemotron_h_mtp_mqa",
+                         {"method": "mtp", "num_speculative_tokens": 2, **(
+                             {"disable_lookahead_block_hashes": True} if mode == "drop" else {})},
+                         lambda vllm_config: nemotron_h_mtp_layers(vllm_config, "nemotron_h_mtp_mqa"), 1600,
+                         (8000, 8000, 8000, 11910, 11910)) for name, (_, mode) in _MTP_DCP.items()})
+PARALLEL = {name: {"tensor_parallel_size": dcp, "decode_context_parallel_size": dcp}
+            for name, (dcp, _) in (_DCP | _MTP_DCP).items()}
 MAX_MODEL_LEN = 16384
 MAX_NUM_BATCHED_TOKENS = 8192
 

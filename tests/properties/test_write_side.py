@@ -263,3 +263,54 @@ def test_z3_reading_of_gaps_matches_the_loops(held, data):
     assert [value(w) for w in windows] == want, held
     assert value(run) == loops.run_from(0, 0, b, 40), held
     assert value(best) == max([x for x, ok in zip(range(b, 34 * b, b), want) if ok], default=0), held
+
+
+def test_the_decoded_cache_moves_a_resume_point_only_where_resume_points_adds_one():
+    """``refimpl.resume_points`` adds the resend on the decoded cache (``dense_groups(decoded=True)``) only
+    in drop mode with multi-module MTP, and no sibling point for it. That holds because on every catalogue
+    layout at DCP 1, 2, 4 and 8, in every speculative setting, for prompts up to 8 alignment units, the
+    decoded cache gives the resend, the next sibling and the far sibling the hits the prefill's cache gives,
+    except in those settings, where the two siblings resume where the decoded resend does."""
+    from kvhit.layouts import catalogue
+    from kvhit.written import WrittenCache
+
+    rules = refimpl.policy_rules("reference")
+    speculations = [refimpl.Speculation("none"), refimpl.Speculation("lookahead", 1),
+                    refimpl.Speculation("drop", 1), refimpl.Speculation("lookahead", 2, True),
+                    refimpl.Speculation("drop", 2, True)]
+    differing = checked = 0
+    for layout in catalogue().values():
+        if any(g.kind.value == "chunked" for g in layout.groups):
+            continue  # no write side
+        for dcp in (1, 2, 4, 8):
+            for speculation in speculations:
+                try:
+                    sizes = refimpl.derive_sizes(refimpl.Layout(layout.groups, dcp, layout.prefix_match_unit),
+                                                 speculation)
+                except ValueError:
+                    continue
+                top = 8 * max(sizes.alignment, sizes.scheduler_block)
+                if layout.name == "dsv4_report":
+                    top = 3 * sizes.scheduler_block
+                for n in range(1, top + 1, max(1, top // 400)):
+                    reads = [WrittenCache(refimpl.dense_groups(sizes, n, decoded)) for decoded in (False, True)]
+                    prefill, decoded = ([refimpl.hit_tokens(cache, sizes, m, rules)[0]
+                                         for m in (n, n + 1, refimpl.far_sibling(sizes, n))] for cache in reads)
+                    checked += 1
+                    if prefill != decoded:
+                        differing += 1
+                        where = (layout.name, dcp, speculation, n, prefill, decoded)
+                        assert sizes.drop and refimpl.reprefillable(sizes) > 0, where
+                        assert decoded[1] == decoded[2] == decoded[0], where
+    assert checked > 30000 and differing > 0, (checked, differing)
+
+
+def test_a_resend_after_decoding_resumes_past_the_prefills_point_under_dcp():
+    """Qwen3-Next-like, MTP 2 in drop mode, DCP 2 (full-attention block 3200, hash unit 1600), N = 8000:
+    vLLM's real Scheduler (tests/adapter/test_scheduler_plugin.py, three decode steps) leaves a partial-tail
+    entry at 8000 and its first repeat hits 6400. The reference keeps the Mamba state at 6400 as well as at
+    4800, where a resend of a request that ended after its prefill resumes."""
+    layout = refimpl.Layout((refimpl.Group("full", 1600, eagle=True), refimpl.Group("mamba", 1600)), dcp=2)
+    sizes = refimpl.derive_sizes(layout, refimpl.Speculation("drop", 2, True))
+    assert refimpl.dense_groups(sizes, 8000, True)[0].points == (8000,)
+    assert set(refimpl.replay_boundaries(sizes, 8000, refimpl.policy_rules("reference"))) == {4800, 6400}
