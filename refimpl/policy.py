@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: b6f2a5ab0cec649c74d72a55b61180387cbb3efcb388157fc03710bff33d2766
-output-sha256: 7714b311360723665eb60c564541a027a067c67fb300998a8e42e92db7601491
+spec-sha256: b411489c871f90d09bc24cae7788e7a60ca7ebdee0fb8006c899c221c7fce8ca
+output-sha256: 5dc324d81edcd20cd57c857ae44f33bdc183bc7b8bb0a544d53ea07c59a68c25
 """
 
 import itertools
@@ -971,7 +971,8 @@ def decoded_tail(sizes: Sizes, k, n_tokens):
     step's caching call registers the highest hash boundary it can cache inside the last, incomplete block
     (vLLM ``_cache_partial_tail_block``, replacing the prefill's entry on that block; the blocks before it
     are then cached whole). A later prompt sharing the ``N`` tokens can use it only up to ``N - L``; once the
-    call completes the block, only the whole block's entry is left, past ``N - L``. -1 for none (also when
+    call completes the block, only the whole block's entry is left, past ``N - L``. Longer decoding can move
+    the entry on or complete the block; a state kept for this entry then goes unused. -1 for none (also when
     the group's block is the hash unit)."""
     sg = sizes.groups[k]
     h = sizes.hash_block
@@ -1008,8 +1009,9 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     The decoded cache differs only where the EAGLE drop and the reprefillable tail of multi-module MTP keep
     the cacheable tokens short of the prompt, and there its near and far siblings resume where its resend
     does (every catalogue layout at DCP 1, 2, 4 and 8 and every speculative mode, prompts up to 8 alignment
-    units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache description (:func:`kvhit.spec.terms.written` unless a caller has a
-    faster reader of the same descriptions)."""
+    units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache
+    description (:func:`kvhit.spec.terms.written` unless a caller has a faster reader of the same
+    descriptions)."""
     groups = dense_groups(sizes, n_tokens)
     dense = written_cache(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0], hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0])

@@ -146,7 +146,8 @@ def decoded_tail(sizes: Sizes, k, n_tokens):
     step's caching call registers the highest hash boundary it can cache inside the last, incomplete block
     (vLLM ``_cache_partial_tail_block``, replacing the prefill's entry on that block; the blocks before it
     are then cached whole). A later prompt sharing the ``N`` tokens can use it only up to ``N - L``; once the
-    call completes the block, only the whole block's entry is left, past ``N - L``. -1 for none (also when
+    call completes the block, only the whole block's entry is left, past ``N - L``. Longer decoding can move
+    the entry on or complete the block; a state kept for this entry then goes unused. -1 for none (also when
     the group's block is the hash unit)."""
     sg = sizes.groups[k]
     h = sizes.hash_block
@@ -187,8 +188,9 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     The decoded cache differs only where the EAGLE drop and the reprefillable tail of multi-module MTP keep
     the cacheable tokens short of the prompt, and there its near and far siblings resume where its resend
     does (every catalogue layout at DCP 1, 2, 4 and 8 and every speculative mode, prompts up to 8 alignment
-    units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache description (:func:`kvhit.spec.terms.written` unless a caller has a
-    faster reader of the same descriptions)."""
+    units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache
+    description (:func:`kvhit.spec.terms.written` unless a caller has a faster reader of the same
+    descriptions)."""
     groups = dense_groups(sizes, n_tokens)
     dense = written(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0],
