@@ -14,6 +14,8 @@ computed by the refimpl's own functions. ``tests/tools/test_written_cache.py`` c
 ``refimpl.written_cache`` query by query and hit by hit.
 """
 
+import math
+
 from kvhit import refimpl
 from kvhit.refimpl import CacheState, Kind, holds
 
@@ -84,6 +86,35 @@ class WrittenCache(CacheState):
             return True
         self._seen((miss + 1) * unit)
         return False
+
+    def last_held(self, k, step, lo, hi, unit):
+        """``CacheState.last_held`` without the scan, for a group of single boundaries (full attention,
+        chunked local, Mamba) read at a unit that divides the step: then a candidate ``x`` is itself the
+        boundary asked about, so the answer is the highest of the held points and the highest multiple of
+        the step on the group's lattice (the boundaries it holds up to its extent) inside ``(lo, hi]``.
+        Sliding windows and other steps scan."""
+        g = self.groups[k]
+        if g.kind is Kind.SWA or step % unit:
+            return super().last_held(k, step, lo, hi, unit)
+        top = hi // step * step
+        if top <= lo or top <= 0:
+            return 0  # the scan asks nothing
+        self._seen(top)  # the scan's first question
+        best = 0
+        for p in g.points:
+            if lo < p <= top and p > best and p % step == 0:
+                best = p
+        if g.kind is Kind.MAMBA:
+            lattice = g.unit if g.every else (g.unit * g.period // math.gcd(g.unit, g.period) if g.period > 0
+                                              else 0)
+        else:
+            lattice = g.block
+        if lattice:
+            lattice = lattice * step // math.gcd(lattice, step)
+            y = min(top, g.extent) // lattice * lattice
+            if y > lo and y > best:
+                best = y
+        return best
 
     def run_from(self, k, start, unit, limit):
         if start >= limit:

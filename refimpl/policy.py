@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: b411489c871f90d09bc24cae7788e7a60ca7ebdee0fb8006c899c221c7fce8ca
-output-sha256: 5dc324d81edcd20cd57c857ae44f33bdc183bc7b8bb0a544d53ea07c59a68c25
+spec-sha256: 9a5e20682c0417ed11d30e36736ec31992fb54a649d1f835440a487063bc2801
+output-sha256: a380f1effc05addc75ae6cd6e44a65acb7c740937182e3cc14887474ff763091
 """
 
 import itertools
@@ -425,6 +425,12 @@ class CacheState:
             n += 1
         return n
 
+    def last_held(self, k, step, lo, hi, unit):
+        """The largest multiple ``x`` of ``step`` with ``lo < x <= hi`` whose block of ``unit`` tokens ending at
+        ``x`` is cached in spec group ``k`` (``window(k, x, unit, 1, 0)``), or 0: the downward scan a lookup
+        makes for a single cached state or a partial block (:func:`scan_last_held`)."""
+        return scan_last_held(self, k, step, lo, hi, unit)
+
     @classmethod
     def from_sets(cls, boundaries):
         """A cache from one set of cached boundaries per spec group."""
@@ -436,6 +442,13 @@ class CacheState:
         """A dense cache: spec group ``k`` holds every boundary up to ``extents[k]`` tokens."""
         ext = list(extents)
         return cls(lambda k, x: 0 < x <= ext[k])
+
+def scan_last_held(cache, k, step, lo, hi, unit):
+    """What ``last_held`` means, for every cache state: scan the multiples of ``step`` down from ``hi`` for
+    the first above ``lo`` whose single-block window is cached. The Z3 caches lower this scan; a cache
+    state that knows its own structure may answer ``last_held`` without it, with the same result and the
+    same ``max_query`` (the scan asks its highest candidate first)."""
+    return max_aligned(step, hi, lambda x: x > lo and cache.window(k, x, unit, 1, 0))
 
 @dataclass(frozen=True)
 class Held:
@@ -604,7 +617,7 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     if sg.fine:
         per_block = b // a
         top = min(min(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
-        partial = max_aligned(a, top * a, lambda x: x > hit and cache.window(k, x, a, 1, 0))
+        partial = cache.last_held(k, a, hit, top * a, a)
         hit = partial if partial > 0 else hit
         reach = max(reach, top * a)
     hit = hit - min(a, b) if drop and hit > 0 else hit
@@ -645,9 +658,9 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     if sg.fine:
         top = min(max_length // a, hashes * sizes.hash_block // a) * a
-        return (max_aligned(a, top, lambda x: cache.window(k, x, a, 1, 0)), top)
+        return (cache.last_held(k, a, 0, top, a), top)
     top = max_length // sg.block * sg.block
-    return (max_aligned(a, top, lambda x: cache.window(k, x, sg.block, 1, 0)), top)
+    return (cache.last_held(k, a, 0, top, sg.block), top)
 
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
@@ -763,7 +776,7 @@ def full_attention_extent(cache, sizes: Sizes, k, reach):
     if not sg.fine:
         return run
     a = sizes.alignment
-    partial = max_aligned(a, min(run + b - a, reach), lambda x: x > run and cache.window(k, x, a, 1, 0))
+    partial = cache.last_held(k, a, run, min(run + b - a, reach), a)
     return max(run, partial)
 
 def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):

@@ -13,6 +13,7 @@ its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`).
 from dataclasses import dataclass
 
 from .domain import Kind
+from .terms import and_, max_aligned
 
 
 class CacheState:
@@ -49,6 +50,12 @@ class CacheState:
             n += 1
         return n
 
+    def last_held(self, k, step, lo, hi, unit):
+        """The largest multiple ``x`` of ``step`` with ``lo < x <= hi`` whose block of ``unit`` tokens ending at
+        ``x`` is cached in spec group ``k`` (``window(k, x, unit, 1, 0)``), or 0: the downward scan a lookup
+        makes for a single cached state or a partial block (:func:`scan_last_held`)."""
+        return scan_last_held(self, k, step, lo, hi, unit)
+
     @classmethod
     def from_sets(cls, boundaries):
         """A cache from one set of cached boundaries per spec group."""
@@ -60,6 +67,14 @@ class CacheState:
         """A dense cache: spec group ``k`` holds every boundary up to ``extents[k]`` tokens."""
         ext = list(extents)
         return cls(lambda k, x: 0 < x <= ext[k])
+
+
+def scan_last_held(cache, k, step, lo, hi, unit):
+    """What ``last_held`` means, for every cache state: scan the multiples of ``step`` down from ``hi`` for
+    the first above ``lo`` whose single-block window is cached. The Z3 caches lower this scan; a cache
+    state that knows its own structure may answer ``last_held`` without it, with the same result and the
+    same ``max_query`` (the scan asks its highest candidate first)."""
+    return max_aligned(step, hi, lambda x: and_(x > lo, cache.window(k, x, unit, 1, 0)))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .cache import live_gaps
+from .cache import live_gaps, scan_last_held
 from .terms import _LOWERING, SpecError, Term, _zv, and_, eq, is_symbolic, ite, max_, min_
 
 
@@ -269,6 +269,10 @@ class SymbolicCache:
         room = _zv(limit) - _zv(start)
         return Term(z3.If(room <= 0, 0, z3.If(length <= room, length, room)))
 
+    def last_held(self, k, step, lo, hi, unit):
+        """:meth:`kvhit.spec.cache.CacheState.last_held`: the same scan, lowered."""
+        return scan_last_held(self, k, step, lo, hi, unit)
+
     def boundaries(self, model, k, unit, upto):
         """The cached boundaries ``x <= upto`` of (group, unit) in a model, for replay."""
         out = set()
@@ -479,6 +483,10 @@ class SymbolicWrittenCache:
                 nxt = ite(and_(p >= first, p > nxt), p, nxt)
             reach = nxt
         return max_(0, min_(self._before_gaps(g, min_(reach, g.extent)) // b, limit))
+
+    def last_held(self, k, step, lo, hi, unit):
+        """:meth:`kvhit.spec.cache.CacheState.last_held`: the same scan, lowered."""
+        return scan_last_held(self, k, step, lo, hi, unit)
 
     @staticmethod
     def _before_gaps(g, reach):

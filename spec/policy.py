@@ -111,7 +111,7 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     if sg.fine:
         per_block = b // a
         top = min_(min_(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
-        partial = max_aligned(a, top * a, lambda x: and_(x > hit, cache.window(k, x, a, 1, 0)))
+        partial = cache.last_held(k, a, hit, top * a, a)
         hit = ite(partial > 0, partial, hit)
         reach = max_(reach, top * a)
     hit = ite(and_(drop, hit > 0), hit - min(a, b), hit)
@@ -154,9 +154,9 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     if sg.fine:
         top = min_(max_length // a, hashes * sizes.hash_block // a) * a
-        return max_aligned(a, top, lambda x: cache.window(k, x, a, 1, 0)), top
+        return cache.last_held(k, a, 0, top, a), top
     top = max_length // sg.block * sg.block
-    return max_aligned(a, top, lambda x: cache.window(k, x, sg.block, 1, 0)), top
+    return cache.last_held(k, a, 0, top, sg.block), top
 
 
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
@@ -295,7 +295,7 @@ def full_attention_extent(cache, sizes: Sizes, k, reach):
     if not sg.fine:
         return run
     a = sizes.alignment
-    partial = max_aligned(a, min_(run + b - a, reach), lambda x: and_(x > run, cache.window(k, x, a, 1, 0)))
+    partial = cache.last_held(k, a, run, min_(run + b - a, reach), a)
     return max_(run, partial)
 
 
