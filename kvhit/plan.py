@@ -274,38 +274,43 @@ def retained_of(writes):
     return sum(refimpl.retained_states(g) for g in writes if g.kind.value in ("swa", "mamba"))
 
 
-def _evaluate_one(s, policy, workload, replay):
-    """``(mean cached tokens, requests reading past |H|, mean retained states)`` of one setting under one
-    policy; ``replay`` (``{P: replay boundaries}`` of the setting's sizes and policy) is used and filled."""
-    rules = refimpl.policy_rules(policy)
-    memo, written = {}, {}
-    total = past = states = 0
+def by_prefix(workload):
+    """The workload's distinct requests grouped by ``P``: ``[(P, ((N, count), ...)), ...]``, ``P``
+    ascending, each ``N`` once with how often it occurs."""
+    counts = {}
     for n, p in workload:
-        key = (n, p)
-        if key not in memo:
-            writes, kept = None, 0
-            if s.retention != "dense" and p > 0:
-                if p not in written:
-                    if p not in replay:
-                        replay[p] = replay_boundaries(s.sizes, p, rules)
-                    w = _writes(s, p, rules, replay[p])
-                    written[p] = w, retained_of(w)
-                writes, kept = written[p]
+        counts.setdefault(p, {})
+        counts[p][n] = counts[p].get(n, 0) + 1
+    return [(p, tuple(sorted(counts[p].items()))) for p in sorted(counts)]
+
+
+def _evaluate_part(s, policy, part, replay):
+    """``(cached tokens, requests reading past |H|, retained states)`` summed over the requests of ``part``
+    (a slice of :func:`by_prefix`) under one setting and policy; ``replay`` (``{P: replay boundaries}`` of
+    the setting's sizes and policy) is used and filled."""
+    rules = refimpl.policy_rules(policy)
+    total = past = states = 0
+    for p, ns in part:
+        writes, kept = None, 0
+        if s.retention != "dense" and p > 0:
+            if p not in replay:
+                replay[p] = replay_boundaries(s.sizes, p, rules)
+            writes = _writes(s, p, rules, replay[p])
+            kept = retained_of(writes)
+        for n, count in ns:
             hit, reach = hit_of(s, n, p, policy, writes)
-            memo[key] = (hit, reach > refimpl.hash_reach(s.sizes, n), kept)
-        hit, bad, kept = memo[key]
-        total += hit
-        past += bad
-        states += kept
-    return total / len(workload), past, states / len(workload)
+            total += count * hit
+            past += count * (reach > refimpl.hash_reach(s.sizes, n))
+            states += count * kept
+    return total, past, states
 
 
-_shared = {}  # what forked workers read: the settings and the workload (inherited, not pickled)
+_shared = {}  # what forked workers read: the settings and the grouped workload (inherited, not pickled)
 
 
-def _evaluate_task(i, policy, replay):
-    s = _shared["settings"][i]
-    return _evaluate_one(s, policy, _shared["workload"], replay), replay
+def _evaluate_task(i, policy, lo, hi, replay):
+    part = _shared["groups"][lo:hi]
+    return _evaluate_part(_shared["settings"][i], policy, part, replay), replay
 
 
 PARALLEL_MIN_WORK = 20_000
@@ -326,35 +331,46 @@ def evaluate(cands, workload, settings=None, jobs=None):
     (``settings``: only these, default all). Work is done once per distinct ``P`` (what the earlier
     request left, and its retained states) and once per distinct ``(N, P)`` (the hit).
 
-    Each (setting, policy) is independent: with ``jobs`` > 1 (default: :func:`default_jobs`, when the
-    work is large enough) they run in that many forked worker processes. Results are the same numbers
-    either way (pure functions of the setting and the workload)."""
+    Each (setting, policy) is independent, and so is each range of ``P``: with ``jobs`` > 1 (default:
+    :func:`default_jobs`, when the work is large enough) the (setting, policy, range of ``P``) tasks run in
+    that many forked worker processes, enough tasks per worker that none waits long for the last one.
+    Results are the same numbers either way (integer sums of pure functions of the setting and the
+    workload, divided at the end)."""
     settings = cands.settings if settings is None else settings
-    tasks = [(i, policy) for i in range(len(settings)) for policy in POLICIES]
+    groups = by_prefix(workload)
+    pairs = [(i, policy) for i in range(len(settings)) for policy in POLICIES]
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    work = len(tasks) * len(set(workload))
-    if jobs == 1 or work < PARALLEL_MIN_WORK or "fork" not in multiprocessing.get_all_start_methods():
-        results = [(_evaluate_one(settings[i], policy, workload,
-                                  cands.replay.setdefault((settings[i].sizes, policy), {})), None)
-                   for i, policy in tasks]
+    distinct = sum(len(ns) for _, ns in groups)
+    sums = {pair: [0, 0, 0] for pair in pairs}
+    if jobs == 1 or len(pairs) * distinct < PARALLEL_MIN_WORK or "fork" not in multiprocessing.get_all_start_methods():
+        for i, policy in pairs:
+            replay = cands.replay.setdefault((settings[i].sizes, policy), {})
+            sums[i, policy] = list(_evaluate_part(settings[i], policy, groups, replay))
     else:
-        _shared.update(settings=settings, workload=workload)
+        pieces = -(-8 * jobs // len(pairs))  # ranges of P per (setting, policy): 8 tasks per worker or more
+        bounds = [len(groups) * j // pieces for j in range(pieces + 1)]
+        tasks = [(i, policy, lo, hi) for i, policy in pairs for lo, hi in zip(bounds, bounds[1:]) if lo < hi]
+        _shared.update(settings=settings, groups=groups)
         try:
             context = multiprocessing.get_context("fork")
             with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
-                futures = [pool.submit(_evaluate_task, i, policy,
-                                       cands.replay.get((settings[i].sizes, policy), {}))
-                           for i, policy in tasks]
-                results = [f.result() for f in futures]
+                futures = []
+                for i, policy, lo, hi in tasks:
+                    known = cands.replay.get((settings[i].sizes, policy), {})
+                    futures.append(pool.submit(_evaluate_task, i, policy, lo, hi,
+                                               {p: known[p] for p, _ in groups[lo:hi] if p in known}))
+                for (i, policy, _, _), future in zip(tasks, futures):
+                    numbers, replay = future.result()
+                    sums[i, policy] = [a + b for a, b in zip(sums[i, policy], numbers)]
+                    cands.replay.setdefault((settings[i].sizes, policy), {}).update(replay)
         finally:
             _shared.clear()
-    for (i, policy), (numbers, replay) in zip(tasks, results):
+    for (i, policy), (total, past, states) in sums.items():
         s = settings[i]
-        s.mean[policy], s.past_hashes[policy], s.states[policy] = numbers
-        if replay is not None:
-            cands.replay.setdefault((s.sizes, policy), {}).update(replay)
+        s.mean[policy], s.past_hashes[policy], s.states[policy] = (total / len(workload), past,
+                                                                   states / len(workload))
     return cands
 
 
