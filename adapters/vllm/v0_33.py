@@ -138,6 +138,7 @@ class CoordinatorModel:
             (``write_note`` says why).
         walked: the spec groups whose leading run a lookup's walks of vLLM's full-attention groups give,
             with those groups' indices in vLLM's lookup order (:func:`walk_sources`).
+        walk_plans: per vLLM spec group, what its walk needs from the coordinator (:func:`walk_plans`).
         hits: recent reference hits on this layout (:class:`HitMemo`).
     """
 
@@ -150,6 +151,7 @@ class CoordinatorModel:
     write: WriteModel | None = None
     write_note: str = ""
     walked: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    walk_plans: tuple = dataclasses.field(default=(), compare=False, repr=False)
     hits: HitMemo = dataclasses.field(default_factory=lambda: HitMemo(), compare=False, repr=False)
 
     @property
@@ -369,7 +371,7 @@ def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
     members = tuple(tuple(sg.members) for sg in sizes.groups)
     walked = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
     return CoordinatorModel(layout, speculation, sizes, members, tuple(spec_group_of), layout.name, write,
-                            write_note, walked)
+                            write_note, walked, walk_plans(coordinator))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -607,8 +609,7 @@ def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, bloc
         _Stock: see :func:`_n_tokens`.
     """
     n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
-    spec_groups, alignment = _spec_groups(coordinator)
-    walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
+    walks = _walks(model, block_hashes, max_cache_hit_length)
     return model.hits.hit(coordinator, model, block_hashes, walks, n_tokens)
 
 
@@ -647,8 +648,44 @@ def _lookup(coordinator: KVCacheCoordinator, spec, group_ids: list[int], manager
     )
 
 
-def _walk_full_attention(coordinator: KVCacheCoordinator, spec_group, block_hashes: Sequence,
-                         max_cache_hit_length: int, alignment: int) -> _Walk:
+class _WalkPlan(NamedTuple):
+    """What the walk of one of vLLM's full-attention spec groups needs from the coordinator; fixed when the
+    coordinator is built, so a lookup does not look it up again (:func:`walk_plans`)."""
+
+    spec: FullAttentionSpec
+    group_ids: list[int]
+    manager_cls: type
+    manager: object
+    block: int
+    hash_block: int
+    eagle: bool
+    margin: int  # the EAGLE margin vLLM's first pass looks past the cap (an EAGLE group only)
+    unit: int
+
+
+def walk_plans(coordinator: KVCacheCoordinator) -> tuple[_WalkPlan | None, ...]:
+    """Per vLLM spec group in lookup order, its :class:`_WalkPlan` (None for kinds other than full
+    attention)."""
+    spec_groups, alignment = _spec_groups(coordinator)
+    h = coordinator.block_pool.hash_block_size
+    plans = []
+    for spec, group_ids, manager_cls, use_eagle in spec_groups:
+        if not isinstance(spec, FullAttentionSpec):
+            plans.append(None)
+            continue
+        manager = coordinator.single_type_managers[group_ids[0]]
+        block = manager.block_size
+        margin = 0
+        if use_eagle:
+            margin = eagle_proof_margin(
+                block, h, coordinator.enable_partial_hash_hits and manager_cls.supports_fine_grained_hash_lookup)
+        # vLLM's alignment when finer than the block (hash granularity)
+        plans.append(_WalkPlan(spec, group_ids, manager_cls, manager, block, h, use_eagle, margin,
+                               min(alignment, block)))
+    return tuple(plans)
+
+
+def _walk_full_attention(plan: _WalkPlan, block_hashes: Sequence, max_cache_hit_length: int) -> _Walk:
     """One full-attention spec group looked up by vLLM's ``FullAttentionManager.find_longest_cache_hit``
     as vLLM's first pass bounds it (the cap; an EAGLE group the cap plus its margin, within the hashes),
     without the drop and aligned to at most its block, so that it returns the group's leading run of
@@ -659,22 +696,24 @@ def _walk_full_attention(coordinator: KVCacheCoordinator, spec_group, block_hash
         |  cached blocks (run)  | tail? |            found = run * b (+ the partial tail)
         0                              walked * b    the blocks the finder looked at
     """
-    spec, group_ids, manager_cls, use_eagle = spec_group
-    manager = coordinator.single_type_managers[group_ids[0]]
-    block = manager.block_size
-    h = coordinator.block_pool.hash_block_size
-    reach = len(block_hashes) * h
-    max_length = max_cache_hit_length
-    if use_eagle:
-        margin = eagle_proof_margin(
-            block, h, coordinator.enable_partial_hash_hits and manager_cls.supports_fine_grained_hash_lookup)
-        max_length = min(max_cache_hit_length + margin, reach)
-    unit = min(alignment, block)  # vLLM's alignment when finer than the block (hash granularity)
+    block, unit, manager = plan.block, plan.unit, plan.manager
+    reach = len(block_hashes) * plan.hash_block
+    max_length = min(max_cache_hit_length + plan.margin, reach) if plan.eagle else max_cache_hit_length
     if block % unit:
-        raise _Inconsistent(f"full-attention groups {group_ids}: block {block} is not a multiple of the "
+        raise _Inconsistent(f"full-attention groups {plan.group_ids}: block {block} is not a multiple of the "
                             f"alignment {unit}")
-    blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, max_length, False, unit)
-    return _Walk(group_ids, block, blocks, found, min(max_length, reach) // block)
+    blocks, found = plan.manager_cls.find_longest_cache_hit(
+        block_hashes=block_hashes,
+        max_length=max_length,
+        kv_cache_group_ids=plan.group_ids,
+        block_pool=manager.block_pool,
+        kv_cache_spec=plan.spec,
+        drop_eagle_block=False,
+        alignment_tokens=unit,
+        dcp_world_size=manager.dcp_world_size,
+        pcp_world_size=manager.pcp_world_size,
+    )
+    return _Walk(plan.group_ids, block, blocks, found, min(max_length, reach) // block)
 
 
 def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, walk: _Walk | None,
@@ -707,11 +746,10 @@ def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, walk: _Walk 
     return blocks
 
 
-def _walks(coordinator: KVCacheCoordinator, spec_groups, block_hashes: Sequence, max_cache_hit_length: int,
-           alignment: int) -> list[_Walk | None]:
+def _walks(model: CoordinatorModel, block_hashes: Sequence, max_cache_hit_length: int) -> list[_Walk | None]:
     """Per vLLM spec group, its :func:`_walk_full_attention` (None for other kinds)."""
-    return [_walk_full_attention(coordinator, g, block_hashes, max_cache_hit_length, alignment)
-            if isinstance(g[0], FullAttentionSpec) else None for g in spec_groups]
+    return [None if plan is None else _walk_full_attention(plan, block_hashes, max_cache_hit_length)
+            for plan in model.walk_plans]
 
 
 def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
@@ -719,7 +757,7 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
     """``find_longest_cache_hit`` under the reference policy: ``(blocks per group, hit, num_uncached)``."""
     n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
     spec_groups, alignment = _spec_groups(coordinator)
-    walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
+    walks = _walks(model, block_hashes, max_cache_hit_length)
     hit, reach = model.hits.hit(coordinator, model, block_hashes, walks, n_tokens)
     out: list[list] = [[] for _ in coordinator.single_type_managers]
     for spec_group, walk in zip(spec_groups, walks):
@@ -753,7 +791,7 @@ def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: Coordi
     """``find_longest_cache_hit_per_group`` under the reference policy: each spec group's own reference
     hit (at most the cap and the hashes) and vLLM's blocks for it."""
     spec_groups, alignment = _spec_groups(coordinator)
-    walks = _walks(coordinator, spec_groups, block_hashes, max_cache_hit_length, alignment)
+    walks = _walks(model, block_hashes, max_cache_hit_length)
     cache = pool_cache(coordinator, block_hashes, model, walks=walks)
     reach = len(block_hashes) * model.sizes.hash_block
     bound = min(max_cache_hit_length, reach)

@@ -161,8 +161,7 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
         for tokens in prompts:
             request = harness._new_request(tokens)
             hashes, cap = request.block_hashes, len(tokens) - 1
-            spec_groups, alignment = v0_33._spec_groups(coordinator)
-            walks = v0_33._walks(coordinator, spec_groups, hashes, cap, alignment)
+            walks = v0_33._walks(model, hashes, cap)
             walked = v0_33.pool_cache(coordinator, hashes, model, walks=walks)
             asked = v0_33.pool_cache(coordinator, hashes, model)
             assert walked.runs and not asked.runs, "every catalogue layout but chunked has full attention"
