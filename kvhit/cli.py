@@ -147,15 +147,11 @@ def _plan(args):
                                      operator_groups=operator_groups,
                                      prefix_match_units=args.prefix_match_units, cache=args.cache,
                                      retention_intervals=args.retention_intervals)
-        result = plan.evaluate(candidates, workload, jobs=args.jobs)
-        if candidates.intervals:
-            first, _ = plan.rank(result, args.rank_by)
-            added = plan.with_retention(candidates, first, args.retention_top,
-                                        explicit=args.retention_intervals is not None)
-            plan.evaluate(candidates, workload, added, jobs=args.jobs)
+        shown = None if args.json else args.top
+        ranked = plan.plan_settings(candidates, workload, args.rank_by, args.retention_top,
+                                    explicit=args.retention_intervals is not None, shown=shown, jobs=args.jobs)
     except ValueError as e:
         return _fail("plan", e)
-    ranked = plan.rank(result, args.rank_by)
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps(plan.to_json(ranked, workload, args.rank_by), indent=2), flush=True)
@@ -164,8 +160,10 @@ def _plan(args):
     if args.plot:
         plan.plot(ranked[0][:args.plot_settings], workload, args.plot, args.rank_by)
         print(f"plot: {args.plot}", file=sys.stderr)
-    print(f"plan: {len(workload)} requests x {len(candidates.settings)} settings x 3 policies in {elapsed:.2f} s",
-          file=sys.stderr)
+    others = len(ranked[0]) if args.json else min(args.top, len(ranked[0]))
+    print(f"plan: {len(workload)} requests x {len(candidates.settings)} settings under {args.rank_by}, "
+          f"and the other two policies for the {others} {'settings' if args.json else 'shown'}, "
+          f"in {elapsed:.2f} s", file=sys.stderr)
     return 0
 
 

@@ -14,8 +14,10 @@ or a multiple of the scheduler block). Its memory cost is the retained-state cou
 of what the earlier request left, summed over the sliding-window and Mamba groups (Mamba states plus
 sliding-window blocks), per request on average. Each setting costs a write side per distinct ``P`` and a
 read per distinct ``(N, P)``, so every setting is first evaluated at vLLM's default retention interval 0
-and the other intervals only for the best few (``retention_top``); on a large workload each (setting, policy)
-runs in a forked worker process (``evaluate``'s ``jobs``).
+and the other intervals only for the best few (``retention_top``), both under the policy the ranking uses,
+and the other two policies only for the settings a table prints (:func:`plan_settings`); on a large
+workload the (setting, policy, range of ``P``) tasks run in forked worker processes (``evaluate``'s
+``jobs``).
 """
 
 import concurrent.futures
@@ -326,10 +328,11 @@ def default_jobs():
         return os.cpu_count() or 1
 
 
-def evaluate(cands, workload, settings=None, jobs=None):
+def evaluate(cands, workload, settings=None, jobs=None, policies=POLICIES):
     """Fill in each setting's expected cached tokens and retained states per request, per policy
-    (``settings``: only these, default all). Work is done once per distinct ``P`` (what the earlier
-    request left, and its retained states) and once per distinct ``(N, P)`` (the hit).
+    (``settings``: only these, default all; ``policies``: only these, default all three). Work is done once
+    per distinct ``P`` (what the earlier request left, and its retained states) and once per distinct
+    ``(N, P)`` (the hit).
 
     Each (setting, policy) is independent, and so is each range of ``P``: with ``jobs`` > 1 (default:
     :func:`default_jobs`, when the work is large enough) the (setting, policy, range of ``P``) tasks run in
@@ -338,7 +341,10 @@ def evaluate(cands, workload, settings=None, jobs=None):
     workload, divided at the end)."""
     settings = cands.settings if settings is None else settings
     groups = by_prefix(workload)
-    pairs = [(i, policy) for i in range(len(settings)) for policy in POLICIES]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+    pairs = [(i, policy) for i in range(len(settings)) for policy in policies]
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
@@ -372,6 +378,27 @@ def evaluate(cands, workload, settings=None, jobs=None):
         s.mean[policy], s.past_hashes[policy], s.states[policy] = (total / len(workload), past,
                                                                    states / len(workload))
     return cands
+
+
+def plan_settings(cands, workload, by, retention_top, explicit=False, shown=None, jobs=None):
+    """What ``kvhit plan`` evaluates, in stages: every setting under policy ``by``; the best
+    ``retention_top`` of them at the other retention intervals (:func:`with_retention`), under ``by``; then
+    the other two policies for the ``shown`` best settings only (None: every setting), the ones a table
+    prints. Returns :func:`rank` by ``by``; a setting past ``shown`` has numbers for ``by`` only. The
+    ranking and every number printed are those of evaluating everything (the stages skip only numbers
+    nobody reads)."""
+    if shown is not None and shown < 1:
+        raise ValueError(f"--top must be positive, got {shown}")
+    if retention_top < 0:
+        raise ValueError(f"--retention-top must be 0 or more, got {retention_top}")
+    evaluate(cands, workload, jobs=jobs, policies=(by,))
+    if cands.intervals:
+        added = with_retention(cands, rank(cands, by)[0], retention_top, explicit=explicit)
+        evaluate(cands, workload, added, jobs=jobs, policies=(by,))
+    ranked = rank(cands, by)
+    rest = tuple(p for p in POLICIES if p != by)
+    evaluate(cands, workload, ranked[0] if shown is None else ranked[0][:shown], jobs=jobs, policies=rest)
+    return ranked
 
 
 def rank(cands, by):

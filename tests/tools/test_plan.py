@@ -1,6 +1,7 @@
 """kvhit plan: the ranking is what the refimpl gives when each setting is evaluated directly."""
 
 import concurrent.futures
+import json
 
 import pytest
 
@@ -80,6 +81,29 @@ def test_worker_processes_give_the_numbers_of_one_process(monkeypatch, name, spe
     assert results[0] == results[1]
     distinct = len({p for _, p in workload})
     assert len(results[0][0]) > 5 and all(len(v) == distinct for v in results[0][1].values())
+
+
+def test_the_table_shows_what_evaluating_every_policy_for_every_setting_shows(capsys):
+    """``kvhit plan`` evaluates the policies it does not rank by only for the rows it prints: its table is
+    the one a full evaluation (every setting, retention interval and policy) renders, and --json, which
+    lists every setting, has every policy's numbers."""
+    args = ["qwen3next", "--speculative", "drop", "--num-speculative-tokens", "2", "--multi-module-mtp",
+            "--shared-prefix", "uniform:2000:30000", "--suffix", "choice:0,900", "--requests", "60"]
+    workload = plan.synthetic_workload("uniform:2000:30000", "choice:0,900", 60, 0)
+    for by in ("reference", "historical"):
+        cands = plan.evaluate(plan.candidates(catalogue()["qwen3next"], speculation("drop", 2, True)), workload)
+        plan.evaluate(cands, workload, plan.with_retention(cands, plan.rank(cands, by)[0], 3))
+        full = plan.rank(cands, by)
+        assert main(["plan", *args, "--top", "4", "--rank-by", by]) == 0
+        shown = capsys.readouterr()
+        assert shown.out.rstrip("\n") == plan.render(full, workload, by, 4)
+        assert f"under {by}, and the other two policies for the 4 shown" in shown.err
+        assert main(["plan", *args, "--json", "--rank-by", by]) == 0
+        assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(plan.to_json(full, workload, by)))
+    for flag, value, message in [("--top", "0", "--top must be positive, got 0"),
+                                 ("--retention-top", "-1", "--retention-top must be 0 or more, got -1")]:
+        assert main(["plan", *args, flag, value]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_jobs_must_be_positive():
