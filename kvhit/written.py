@@ -1,17 +1,19 @@
 """A written cache state that answers the refimpl's two queries without walking every block.
 
-``refimpl.written_cache(groups)`` answers ``run_from`` and ``window`` by asking ``holds`` once per block:
-a full-attention group of 64-token blocks holding a 30,000-token prompt costs 470 calls per ``run_from``,
-and the plan asks that for every request, setting and policy. :class:`WrittenCache` is the same state (spec
-group ``k`` holds what the :class:`refimpl.Held` ``groups[k]`` says) and finds the first boundary a query
-misses by jumping over the stretches a ``Held`` says are held whole: every block up to the extent (full
-attention, chunked local, a Mamba group that keeps every state, a sliding window that keeps every block), a
-sliding-window tail, a periodic tail. Everything else (single points, partial tails, states between
-periods) it still asks ``refimpl.holds`` about one boundary at a time, so it never has to restate the
-write side's rules; it reports the same ``max_query`` as the refimpl's loops (the highest boundary they would
-have asked about), so ``reach`` accounting is unchanged. It is a cache state, not policy: the hit is still
-computed by the refimpl's own functions. ``tests/tools/test_written_cache.py`` checks it against
-``refimpl.written_cache`` query by query and hit by hit.
+``refimpl.written_cache(groups)`` answers ``run_from``, ``window`` and ``last_held`` by asking ``holds``
+once per block: a full-attention group of 64-token blocks holding a 30,000-token prompt costs 470 calls per
+``run_from``, and the plan asks that for every request, setting and policy. :class:`WrittenCache` is the
+same state (spec group ``k`` holds what the :class:`refimpl.Held` ``groups[k]`` says) and finds the first
+boundary a query misses by jumping over the stretches a ``Held`` says are held whole: every block up to the
+extent (full attention, chunked local, a Mamba group that keeps every state, a sliding window that keeps
+every block), a sliding-window tail, a periodic tail; ``last_held`` takes the highest of a group's points
+and of its lattice (the boundaries it holds up to its extent). Where it jumps it restates ``refimpl.holds``'s
+conditions for that stretch; everything else (single points, partial tails, states between periods, a
+sliding window with gaps) it still asks ``refimpl.holds`` about one boundary at a time. It reports the same
+``max_query`` as the refimpl's loops (the highest boundary they would have asked about), so ``reach``
+accounting is unchanged. It is a cache state, not policy: the hit is still computed by the refimpl's own
+functions. ``tests/tools/test_written_cache.py`` checks it against ``refimpl.written_cache`` query by
+query (on arbitrary ``Held`` descriptions, wider than the write side produces) and hit by hit.
 """
 
 import math
@@ -35,16 +37,18 @@ class WrittenCache(CacheState):
     def _first_miss(self, k, unit, j):
         """The first block index ``i >= j`` whose boundary ``(i + 1) * unit`` group ``k`` does not hold."""
         g = self.groups[k]
+        swa = g.kind is Kind.SWA
+        if swa and unit == g.block and not any(lo < hi for lo, hi in g.gaps):
+            return self._tails_first_miss(g, j)
         if not holds(g, (j + 1) * unit):
             return j
-        swa = g.kind is Kind.SWA
         if swa and any(lo < hi for lo, hi in g.gaps):
             # blocks lost before caching (refimpl.sliding_window_gaps) break the stretches: ask each block
             while holds(g, (j + 1) * unit):
                 j += 1
             return j
         if swa:
-            whole = g.every and unit == g.block
+            whole = False  # read at a unit other than its block
         elif g.kind is Kind.MAMBA:
             whole = unit % g.unit == 0 and (g.every or (g.period > 0 and unit % g.period == 0))
         else:
@@ -54,24 +58,31 @@ class WrittenCache(CacheState):
             if whole and j < last:
                 # every boundary up to the extent is held (points past it are asked one by one)
                 j = last
-            elif swa and unit == g.block:
-                j = max(j + 1, min(self._tail_end(g, j), last))
             else:
                 j += 1
         return j
 
     @staticmethod
-    def _tail_end(g, j):
-        """One past the last block of the longest kept sliding-window tail that covers block ``j``
-        (``refimpl.holds_block``'s tails: periodic, or ending at ``g.ends``); ``j + 1`` when none does."""
-        out = j + 1
+    def _tails_first_miss(g, j):
+        """``_first_miss`` of a sliding window read block by block, without gaps: ``refimpl.holds_block``'s
+        conditions (inside the extent; every block, or a periodic or explicit tail covering it) decided
+        once per tail rather than once per block."""
+        last = g.extent // g.block  # blocks i < last end inside the extent
+        if g.every:
+            return max(j, last)
         per = g.period // g.block
-        if per > 0 and j >= g.shift and (j - g.shift) % per >= per - g.need:
-            out = max(out, j + per - (j - g.shift) % per)
-        for end in g.ends:
-            if end - g.need * g.block <= j * g.block < end:
-                out = max(out, -(-end // g.block))
-        return out
+        reach = g.need * g.block
+        while j < last:
+            end = 0  # one past the last block of the longest tail covering block j
+            if per > 0 and j >= g.shift and (j - g.shift) % per >= per - g.need:
+                end = j + per - (j - g.shift) % per
+            for e in g.ends:
+                if e - reach <= j * g.block < e:
+                    end = max(end, -(-e // g.block))
+            if end <= j:
+                return j
+            j = min(end, last)
+        return j
 
     def window(self, k, x, unit, before, after):
         lo, hi = max(0, x // unit - before), x // unit + after
