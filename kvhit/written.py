@@ -98,33 +98,74 @@ class WrittenCache(CacheState):
         self._seen((miss + 1) * unit)
         return False
 
-    def last_held(self, k, step, lo, hi, unit):
-        """``CacheState.last_held`` without the scan, for a group of single boundaries (full attention,
-        chunked local, Mamba) read at a unit that divides the step: then a candidate ``x`` is itself the
-        boundary asked about, so the answer is the highest of the held points and the highest multiple of
-        the step on the group's lattice (the boundaries it holds up to its extent) inside ``(lo, hi]``.
-        Sliding windows and other steps scan."""
+    def last_held(self, k, step, lo, hi, unit, before, after):
+        """``CacheState.last_held`` without asking every candidate.
+
+        A single boundary of a group of single boundaries (full attention, chunked local, Mamba) read at a
+        unit that divides the step: a candidate ``x`` is itself the boundary asked about, so the answer is
+        the highest of the held points and of the highest multiple of the step on the group's lattice (the
+        boundaries it holds up to its extent) inside ``(lo, hi]``. Otherwise the scan, except that a
+        window missing block ``m`` skips every lower candidate whose window also contains ``m``.
+        """
         g = self.groups[k]
-        if g.kind is Kind.SWA or step % unit:
-            return super().last_held(k, step, lo, hi, unit)
         top = hi // step * step
         if top <= lo or top <= 0:
             return 0  # the scan asks nothing
-        self._seen(top)  # the scan's first question
-        best = 0
-        for p in g.points:
-            if lo < p <= top and p > best and p % step == 0:
-                best = p
-        if g.kind is Kind.MAMBA:
-            lattice = g.unit if g.every else (g.unit * g.period // math.gcd(g.unit, g.period) if g.period > 0
-                                              else 0)
-        else:
-            lattice = g.block
-        if lattice:
-            lattice = lattice * step // math.gcd(lattice, step)
-            y = min(top, g.extent) // lattice * lattice
-            if y > lo and y > best:
-                best = y
+        if before == 1 and after == 0 and g.kind is not Kind.SWA and step % unit == 0:
+            self._seen(top)  # the scan's first question
+            best = 0
+            for p in g.points:
+                if lo < p <= top and p > best and p % step == 0:
+                    best = p
+            if g.kind is Kind.MAMBA:
+                lattice = g.unit if g.every else (g.unit * g.period // math.gcd(g.unit, g.period)
+                                                  if g.period > 0 else 0)
+            else:
+                lattice = g.block
+            if lattice:
+                lattice = lattice * step // math.gcd(lattice, step)
+                y = min(top, g.extent) // lattice * lattice
+                if y > lo and y > best:
+                    best = y
+            return best
+        x = top
+        while x > 0 and x > lo:
+            first, end = max(0, x // unit - before), x // unit + after
+            if first >= end:
+                return x  # an empty window is held
+            miss = self._first_miss(k, unit, first)
+            if miss >= end:
+                self._seen(end * unit)
+                return x
+            self._seen((miss + 1) * unit)
+            # every candidate x' with x' // unit > miss - after has block `miss` in its window
+            q = miss - after
+            if g.kind is Kind.SWA and unit == g.block and not any(a < b for a, b in g.gaps):
+                # and the last block of a held window, x' // unit + after - 1, is held
+                q = min(q, self._last_held_block(g, miss - 1) - after + 1)
+            x = min(x - step, ((q + 1) * unit - 1) // step * step)
+        return 0
+
+    @staticmethod
+    def _last_held_block(g, j):
+        """The highest block ``i <= j`` of a sliding window without gaps that ``refimpl.holds_block`` says is
+        kept (inside the extent; every block, or a periodic or explicit tail covering it), or -1."""
+        j = min(j, g.extent // g.block - 1)
+        if j < 0 or g.every:
+            return j
+        best = -1
+        per = g.period // g.block
+        if per > 0 and j >= g.shift:
+            r = (j - g.shift) % per
+            if r >= per - g.need:
+                return j
+            if g.need >= 1 and j - r - 1 >= g.shift:
+                best = j - r - 1  # the last block of the period before
+        for e in g.ends:
+            first = -(-(e - g.need * g.block) // g.block)  # tail blocks i: e - need * block <= i * block < e
+            last = -(-e // g.block) - 1
+            if first <= j and first <= last:
+                best = max(best, min(j, last))
         return best
 
     def run_from(self, k, start, unit, limit):

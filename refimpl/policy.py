@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 9a5e20682c0417ed11d30e36736ec31992fb54a649d1f835440a487063bc2801
-output-sha256: a380f1effc05addc75ae6cd6e44a65acb7c740937182e3cc14887474ff763091
+spec-sha256: a7aa76f0d092ccba0cd403aab13971593b7dc090df4255ec7d2c51d2c9a2b35e
+output-sha256: 63dcd5e63a5bd1b97df1491625902d33fc91432b18eb68715a29742b649b67b9
 """
 
 import itertools
@@ -425,11 +425,11 @@ class CacheState:
             n += 1
         return n
 
-    def last_held(self, k, step, lo, hi, unit):
-        """The largest multiple ``x`` of ``step`` with ``lo < x <= hi`` whose block of ``unit`` tokens ending at
-        ``x`` is cached in spec group ``k`` (``window(k, x, unit, 1, 0)``), or 0: the downward scan a lookup
-        makes for a single cached state or a partial block (:func:`scan_last_held`)."""
-        return scan_last_held(self, k, step, lo, hi, unit)
+    def last_held(self, k, step, lo, hi, unit, before, after):
+        """The largest multiple ``x`` of ``step`` with ``lo < x <= hi`` whose window is cached in spec group
+        ``k`` (``window(k, x, unit, before, after)``), or 0: the downward scan a lookup makes for a single
+        cached state, a partial block or a sliding window's context (:func:`scan_last_held`)."""
+        return scan_last_held(self, k, step, lo, hi, unit, before, after)
 
     @classmethod
     def from_sets(cls, boundaries):
@@ -443,12 +443,12 @@ class CacheState:
         ext = list(extents)
         return cls(lambda k, x: 0 < x <= ext[k])
 
-def scan_last_held(cache, k, step, lo, hi, unit):
+def scan_last_held(cache, k, step, lo, hi, unit, before, after):
     """What ``last_held`` means, for every cache state: scan the multiples of ``step`` down from ``hi`` for
-    the first above ``lo`` whose single-block window is cached. The Z3 caches lower this scan; a cache
+    the first above ``lo`` whose window is cached. The Z3 caches lower this scan; a cache
     state that knows its own structure may answer ``last_held`` without it, with the same result and the
     same ``max_query`` (the scan asks its highest candidate first)."""
-    return max_aligned(step, hi, lambda x: x > lo and cache.window(k, x, unit, 1, 0))
+    return max_aligned(step, hi, lambda x: x > lo and cache.window(k, x, unit, before, after))
 
 @dataclass(frozen=True)
 class Held:
@@ -617,7 +617,7 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     if sg.fine:
         per_block = b // a
         top = min(min(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
-        partial = cache.last_held(k, a, hit, top * a, a)
+        partial = cache.last_held(k, a, hit, top * a, a, 1, 0)
         hit = partial if partial > 0 else hit
         reach = max(reach, top * a)
     hit = hit - min(a, b) if drop and hit > 0 else hit
@@ -638,13 +638,13 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     need = -(-(sg.window - 1) // b)
     top = max_length // b * b
-    found_keep = max_aligned(a, top, lambda x: x >= need * b and cache.window(k, x, b, need, 0))
+    found_keep = cache.last_held(k, a, need * b - 1, top, b, need, 0)
     run = cache.run_from(k, 0, b, max_length // b) * b
     short_keep = run // a * a
     keep = found_keep if found_keep > 0 else short_keep
     if drop is False:
         return (keep, top)
-    found_drop = max_aligned(a, top - b, lambda x: x >= need * b and cache.window(k, x, b, need, 1))
+    found_drop = cache.last_held(k, a, need * b - 1, top - b, b, need, 1)
     gated = ((run - b) // a * a + b if run >= b else 0) // a * a
     short_drop = (gated - b) // a * a if gated > 0 else 0
     dropped = found_drop if found_drop > 0 else short_drop
@@ -658,9 +658,9 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     if sg.fine:
         top = min(max_length // a, hashes * sizes.hash_block // a) * a
-        return (cache.last_held(k, a, 0, top, a), top)
+        return (cache.last_held(k, a, 0, top, a, 1, 0), top)
     top = max_length // sg.block * sg.block
-    return (cache.last_held(k, a, 0, top, sg.block), top)
+    return (cache.last_held(k, a, 0, top, sg.block, 1, 0), top)
 
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
@@ -776,7 +776,7 @@ def full_attention_extent(cache, sizes: Sizes, k, reach):
     if not sg.fine:
         return run
     a = sizes.alignment
-    partial = cache.last_held(k, a, run, min(run + b - a, reach), a)
+    partial = cache.last_held(k, a, run, min(run + b - a, reach), a, 1, 0)
     return max(run, partial)
 
 def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):

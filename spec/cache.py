@@ -50,11 +50,11 @@ class CacheState:
             n += 1
         return n
 
-    def last_held(self, k, step, lo, hi, unit):
-        """The largest multiple ``x`` of ``step`` with ``lo < x <= hi`` whose block of ``unit`` tokens ending at
-        ``x`` is cached in spec group ``k`` (``window(k, x, unit, 1, 0)``), or 0: the downward scan a lookup
-        makes for a single cached state or a partial block (:func:`scan_last_held`)."""
-        return scan_last_held(self, k, step, lo, hi, unit)
+    def last_held(self, k, step, lo, hi, unit, before, after):
+        """The largest multiple ``x`` of ``step`` with ``lo < x <= hi`` whose window is cached in spec group
+        ``k`` (``window(k, x, unit, before, after)``), or 0: the downward scan a lookup makes for a single
+        cached state, a partial block or a sliding window's context (:func:`scan_last_held`)."""
+        return scan_last_held(self, k, step, lo, hi, unit, before, after)
 
     @classmethod
     def from_sets(cls, boundaries):
@@ -69,12 +69,12 @@ class CacheState:
         return cls(lambda k, x: 0 < x <= ext[k])
 
 
-def scan_last_held(cache, k, step, lo, hi, unit):
+def scan_last_held(cache, k, step, lo, hi, unit, before, after):
     """What ``last_held`` means, for every cache state: scan the multiples of ``step`` down from ``hi`` for
-    the first above ``lo`` whose single-block window is cached. The Z3 caches lower this scan; a cache
+    the first above ``lo`` whose window is cached. The Z3 caches lower this scan; a cache
     state that knows its own structure may answer ``last_held`` without it, with the same result and the
     same ``max_query`` (the scan asks its highest candidate first)."""
-    return max_aligned(step, hi, lambda x: and_(x > lo, cache.window(k, x, unit, 1, 0)))
+    return max_aligned(step, hi, lambda x: and_(x > lo, cache.window(k, x, unit, before, after)))
 
 
 @dataclass(frozen=True)

@@ -269,9 +269,9 @@ class SymbolicCache:
         room = _zv(limit) - _zv(start)
         return Term(z3.If(room <= 0, 0, z3.If(length <= room, length, room)))
 
-    def last_held(self, k, step, lo, hi, unit):
+    def last_held(self, k, step, lo, hi, unit, before, after):
         """:meth:`kvhit.spec.cache.CacheState.last_held`: the same scan, lowered."""
-        return scan_last_held(self, k, step, lo, hi, unit)
+        return scan_last_held(self, k, step, lo, hi, unit, before, after)
 
     def boundaries(self, model, k, unit, upto):
         """The cached boundaries ``x <= upto`` of (group, unit) in a model, for replay."""
@@ -484,9 +484,9 @@ class SymbolicWrittenCache:
             reach = nxt
         return max_(0, min_(self._before_gaps(g, min_(reach, g.extent)) // b, limit))
 
-    def last_held(self, k, step, lo, hi, unit):
+    def last_held(self, k, step, lo, hi, unit, before, after):
         """:meth:`kvhit.spec.cache.CacheState.last_held`: the same scan, lowered."""
-        return scan_last_held(self, k, step, lo, hi, unit)
+        return scan_last_held(self, k, step, lo, hi, unit, before, after)
 
     @staticmethod
     def _before_gaps(g, reach):

@@ -111,7 +111,7 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     if sg.fine:
         per_block = b // a
         top = min_(min_(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
-        partial = cache.last_held(k, a, hit, top * a, a)
+        partial = cache.last_held(k, a, hit, top * a, a, 1, 0)
         hit = ite(partial > 0, partial, hit)
         reach = max_(reach, top * a)
     hit = ite(and_(drop, hit > 0), hit - min(a, b), hit)
@@ -133,13 +133,13 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     need = cdiv(sg.window - 1, b)
     top = max_length // b * b
-    found_keep = max_aligned(a, top, lambda x: and_(x >= need * b, cache.window(k, x, b, need, 0)))
+    found_keep = cache.last_held(k, a, need * b - 1, top, b, need, 0)
     run = cache.run_from(k, 0, b, max_length // b) * b
     short_keep = floor_to(run, a)
     keep = ite(found_keep > 0, found_keep, short_keep)
     if drop is False:  # a group that never drops is never read past its window
         return keep, top
-    found_drop = max_aligned(a, top - b, lambda x: and_(x >= need * b, cache.window(k, x, b, need, 1)))
+    found_drop = cache.last_held(k, a, need * b - 1, top - b, b, need, 1)
     gated = floor_to(ite(run >= b, floor_to(run - b, a) + b, 0), a)
     short_drop = ite(gated > 0, floor_to(gated - b, a), 0)
     dropped = ite(found_drop > 0, found_drop, short_drop)
@@ -154,9 +154,9 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     if sg.fine:
         top = min_(max_length // a, hashes * sizes.hash_block // a) * a
-        return cache.last_held(k, a, 0, top, a), top
+        return cache.last_held(k, a, 0, top, a, 1, 0), top
     top = max_length // sg.block * sg.block
-    return cache.last_held(k, a, 0, top, sg.block), top
+    return cache.last_held(k, a, 0, top, sg.block, 1, 0), top
 
 
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
@@ -295,7 +295,7 @@ def full_attention_extent(cache, sizes: Sizes, k, reach):
     if not sg.fine:
         return run
     a = sizes.alignment
-    partial = cache.last_held(k, a, run, min_(run + b - a, reach), a)
+    partial = cache.last_held(k, a, run, min_(run + b - a, reach), a, 1, 0)
     return max_(run, partial)
 
 

@@ -526,8 +526,8 @@ class _OneGroup(CacheState):
     def window(self, _, x, unit, before, after):
         return self.cache.window(self.k, x, unit, before, after)
 
-    def last_held(self, _, step, lo, hi, unit):
-        return self.cache.last_held(self.k, step, lo, hi, unit)
+    def last_held(self, _, step, lo, hi, unit, before, after):
+        return self.cache.last_held(self.k, step, lo, hi, unit, before, after)
 
 
 def walk_sources(members: Sequence[Sequence[int]], spec_groups,

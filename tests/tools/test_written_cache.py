@@ -56,14 +56,17 @@ def test_written_run_from_answers_like_refimpl(g, choice, limit):
         assert fast.max_query == slow.max_query, start
 
 
-@settings(max_examples=1000, deadline=None)
-@given(g=helds(), choice=units, times=st.integers(1, 4), lo=st.integers(-1, 650))
-def test_written_last_held_answers_like_the_scan(g, choice, times, lo):
+@settings(max_examples=1500, deadline=None)
+@given(g=helds(), choice=units, times=st.integers(1, 4), lo=st.integers(-1, 650),
+       window=st.sampled_from([(1, 0), (1, 0), (0, 0), (0, 1), (2, 0), (3, 1), (8, 1)]))
+def test_written_last_held_answers_like_the_scan(g, choice, times, lo, window):
     unit = _unit(g, choice)
     step = unit * times if times < 4 else unit + 1  # steps the unit divides, and one it does not
+    before, after = window
     for hi in range(0, g.extent + 4 * step, max(1, step // 3)):
         fast, slow = WrittenCache([g]), refimpl.written_cache([g])
-        assert fast.last_held(0, step, lo, hi, unit) == slow.last_held(0, step, lo, hi, unit), hi
+        got = fast.last_held(0, step, lo, hi, unit, before, after)
+        assert got == slow.last_held(0, step, lo, hi, unit, before, after), hi
         assert fast.max_query == slow.max_query, hi
 
 
