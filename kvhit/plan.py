@@ -286,10 +286,11 @@ def by_prefix(workload):
     return [(p, tuple(sorted(counts[p].items()))) for p in sorted(counts)]
 
 
-def _evaluate_part(s, policy, part, replay):
+def _evaluate_part(s, policy, part, replay, count_states=True):
     """``(cached tokens, requests reading past |H|, retained states)`` summed over the requests of ``part``
-    (a slice of :func:`by_prefix`) under one setting and policy; ``replay`` (``{P: replay boundaries}`` of
-    the setting's sizes and policy) is used and filled."""
+    (a slice of :func:`by_prefix`) under one setting and policy (retained states 0 unless
+    ``count_states``); ``replay`` (``{P: replay boundaries}`` of the setting's sizes and policy) is used and
+    filled."""
     rules = refimpl.policy_rules(policy)
     total = past = states = 0
     for p, ns in part:
@@ -298,7 +299,7 @@ def _evaluate_part(s, policy, part, replay):
             if p not in replay:
                 replay[p] = replay_boundaries(s.sizes, p, rules)
             writes = _writes(s, p, rules, replay[p])
-            kept = retained_of(writes)
+            kept = retained_of(writes) if count_states else 0
         for n, count in ns:
             hit, reach = hit_of(s, n, p, policy, writes)
             total += count * hit
@@ -310,9 +311,9 @@ def _evaluate_part(s, policy, part, replay):
 _shared = {}  # what forked workers read: the settings and the grouped workload (inherited, not pickled)
 
 
-def _evaluate_task(i, policy, lo, hi, replay):
+def _evaluate_task(i, policy, lo, hi, replay, count_states):
     part = _shared["groups"][lo:hi]
-    return _evaluate_part(_shared["settings"][i], policy, part, replay), replay
+    return _evaluate_part(_shared["settings"][i], policy, part, replay, count_states), replay
 
 
 PARALLEL_MIN_WORK = 20_000
@@ -328,9 +329,10 @@ def default_jobs():
         return os.cpu_count() or 1
 
 
-def evaluate(cands, workload, settings=None, jobs=None, policies=POLICIES):
+def evaluate(cands, workload, settings=None, jobs=None, policies=POLICIES, count_states=True):
     """Fill in each setting's expected cached tokens and retained states per request, per policy
-    (``settings``: only these, default all; ``policies``: only these, default all three). Work is done once
+    (``settings``: only these, default all; ``policies``: only these, default all three; retained states
+    and their cost left out unless ``count_states``). Work is done once
     per distinct ``P`` (what the earlier request left, and its retained states) and once per distinct
     ``(N, P)`` (the hit).
 
@@ -353,7 +355,7 @@ def evaluate(cands, workload, settings=None, jobs=None, policies=POLICIES):
     if jobs == 1 or len(pairs) * distinct < PARALLEL_MIN_WORK or "fork" not in multiprocessing.get_all_start_methods():
         for i, policy in pairs:
             replay = cands.replay.setdefault((settings[i].sizes, policy), {})
-            sums[i, policy] = list(_evaluate_part(settings[i], policy, groups, replay))
+            sums[i, policy] = list(_evaluate_part(settings[i], policy, groups, replay, count_states))
     else:
         pieces = -(-8 * jobs // len(pairs))  # ranges of P per (setting, policy): 8 tasks per worker or more
         bounds = [len(groups) * j // pieces for j in range(pieces + 1)]
@@ -366,7 +368,8 @@ def evaluate(cands, workload, settings=None, jobs=None, policies=POLICIES):
                 for i, policy, lo, hi in tasks:
                     known = cands.replay.get((settings[i].sizes, policy), {})
                     futures.append(pool.submit(_evaluate_task, i, policy, lo, hi,
-                                               {p: known[p] for p, _ in groups[lo:hi] if p in known}))
+                                               {p: known[p] for p, _ in groups[lo:hi] if p in known},
+                                               count_states))
                 for (i, policy, _, _), future in zip(tasks, futures):
                     numbers, replay = future.result()
                     sums[i, policy] = [a + b for a, b in zip(sums[i, policy], numbers)]
@@ -375,8 +378,9 @@ def evaluate(cands, workload, settings=None, jobs=None, policies=POLICIES):
             _shared.clear()
     for (i, policy), (total, past, states) in sums.items():
         s = settings[i]
-        s.mean[policy], s.past_hashes[policy], s.states[policy] = (total / len(workload), past,
-                                                                   states / len(workload))
+        s.mean[policy], s.past_hashes[policy] = total / len(workload), past
+        if count_states:
+            s.states[policy] = states / len(workload)
     return cands
 
 
@@ -384,7 +388,8 @@ def plan_settings(cands, workload, by, retention_top, explicit=False, shown=None
     """What ``kvhit plan`` evaluates, in stages: every setting under policy ``by``; the best
     ``retention_top`` of them at the other retention intervals (:func:`with_retention`), under ``by``; then
     the other two policies for the ``shown`` best settings only (None: every setting), the ones a table
-    prints. Returns :func:`rank` by ``by``; a setting past ``shown`` has numbers for ``by`` only. The
+    prints, and their retained states only when every setting is wanted (a table shows states under
+    ``by``). Returns :func:`rank` by ``by``; a setting past ``shown`` has numbers for ``by`` only. The
     ranking and every number printed are those of evaluating everything (the stages skip only numbers
     nobody reads)."""
     if shown is not None and shown < 1:
@@ -397,7 +402,8 @@ def plan_settings(cands, workload, by, retention_top, explicit=False, shown=None
         evaluate(cands, workload, added, jobs=jobs, policies=(by,))
     ranked = rank(cands, by)
     rest = tuple(p for p in POLICIES if p != by)
-    evaluate(cands, workload, ranked[0] if shown is None else ranked[0][:shown], jobs=jobs, policies=rest)
+    evaluate(cands, workload, ranked[0] if shown is None else ranked[0][:shown], jobs=jobs, policies=rest,
+             count_states=shown is None)
     return ranked
 
 

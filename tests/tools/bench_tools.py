@@ -4,11 +4,13 @@ Targets (issue 6): explain and plan of one prompt well under 1 s, plan of a 10,0
 The dense-cache table's baseline, measured in the same run, is the straightforward evaluation: refimpl.hit
 with a CacheState.up_to cache per request, without DenseCache or the per-(N, P) memo (timed on a sample and
 scaled). The written-cache table (the default of ``kvhit plan``: each request reads what its shared prefix
-left) times what the CLI does, every setting at R = 0 and then the best three at the other intervals, on
-10,000 prompts (gemma and three_kind on 1,000), in one process and in the worker processes ``kvhit plan``
-uses by default (one per available CPU); its baseline, in the same run, is the evaluation before
-kvhit.written (refimpl.request_writes and refimpl.written_cache per distinct P and (N, P), the same settings),
-timed on the first 300 requests and scaled by the distinct (N, P) pairs.
+left) times what the CLI does (``plan.plan_settings``: every setting at R = 0 and then the best three at
+the other intervals under the ranking policy, the other two policies for the rows shown, or for every
+setting with --json) on 10,000 prompts, in one process and in the worker processes ``kvhit plan`` uses by
+default (one per available CPU); its baseline, in the same run, is the evaluation before kvhit.written
+(refimpl.request_writes and refimpl.written_cache per distinct P and (N, P), every setting and policy),
+timed on the first 300 requests and scaled by the distinct (N, P) pairs. Last, the whole ``kvhit plan``
+command (interpreter start and imports included) on each of those workloads.
 """
 
 import subprocess
@@ -57,17 +59,15 @@ def _written_baseline(cands, workload, sample=300):
     return (time.perf_counter() - started) * len(set(workload)) / len(set(part))
 
 
-def _written_plan(name, spec, workload, jobs):
-    """What ``kvhit plan`` does on the written cache: every setting at R = 0, then the best three at the
-    other retention intervals, in ``jobs`` processes. Returns the candidates and the seconds to the end of
-    each stage."""
+def _written_plan(name, spec, workload, jobs, shown):
+    """What ``kvhit plan`` does on the written cache (``plan.plan_settings``: every setting at R = 0 and
+    the best three at the other retention intervals under the ranking policy, then the other two policies
+    for the ``shown`` best, every setting for ``--json``), in ``jobs`` processes. Returns the candidates
+    and the seconds it took."""
     started = time.perf_counter()
-    cands = plan.evaluate(plan.candidates(catalogue()[name], spec), workload, jobs=jobs)
-    stage1 = time.perf_counter() - started
-    added = plan.with_retention(cands, plan.rank(cands, "reference")[0], 3)
-    plan.evaluate(cands, workload, added, jobs=jobs)
-    plan.rank(cands, "reference")
-    return cands, stage1, time.perf_counter() - started
+    cands = plan.candidates(catalogue()[name], spec)
+    plan.plan_settings(cands, workload, "reference", 3, shown=shown, jobs=jobs)
+    return cands, time.perf_counter() - started
 
 
 def main():
@@ -93,20 +93,35 @@ def main():
         print(f"{name + ' ' + dist:<40} {len(cands.settings):>8} {elapsed:>8.2f} {base:>11.1f} {base / elapsed:>6.1f}x")
     print()
     jobs = plan.default_jobs()
-    print(f"{'written cache (the default)':<34} {'requests':>8} {'distinct P':>10} {'settings':>8} {'jobs':>4} "
-          f"{'R=0 s':>7} {'plan s':>7} {'baseline s':>11} {'ratio':>7}")
-    for name, spec, dist, requests in [("qwen3next", speculation("drop", 2, True), "uniform:2000:30000", 10000),
-                                       ("dsv4_report", speculation("drop", 1), "uniform:8000:70000", 10000),
-                                       ("gemma", speculation("drop", 1), "uniform:500:30000", 1000),
-                                       ("three_kind", speculation("drop", 1), "uniform:2000:30000", 1000)]:
-        workload = plan.synthetic_workload(dist, "uniform:0:2000", requests, 0)
+    print("written cache (the default): 'table' is kvhit plan's work for its table (the other two policies for the\n"
+          "10 rows shown), 'json' for --json (every policy for every setting); the baseline is the evaluation\n"
+          "before kvhit.written, all settings and policies, timed on 300 requests and scaled")
+    print(f"{'layout, prefix ~':<34} {'requests':>8} {'(N, P)':>7} {'settings':>8} {'jobs':>4} "
+          f"{'table s':>8} {'json s':>7} {'baseline s':>11} {'ratio':>7}")
+    for name, spec, dist in WRITTEN_CASES:
+        workload = plan.synthetic_workload(dist, "uniform:0:2000", 10000, 0)
         base = None
         for j in sorted({1, jobs}):
-            cands, stage1, elapsed = _written_plan(name, spec, workload, j)
+            cands, table = _written_plan(name, spec, workload, j, 10)
+            json_s = _written_plan(name, spec, workload, j, None)[1] if j == jobs else None
             base = _written_baseline(cands, workload) if base is None else base
-            print(f"{name + ' ' + dist:<34} {requests:>8} {len({p for _, p in workload}):>10} "
-                  f"{len(cands.settings):>8} {j:>4} {stage1:>7.2f} {elapsed:>7.2f} {base:>11.1f} "
-                  f"{base / elapsed:>6.1f}x")
+            print(f"{name + ' ' + dist:<34} {len(workload):>8} {len(set(workload)):>7} {len(cands.settings):>8} "
+                  f"{j:>4} {table:>8.2f} {'' if json_s is None else f'{json_s:.2f}':>7} {base:>11.1f} "
+                  f"{base / table:>6.1f}x")
+    print()
+    print(f"{'kvhit plan, 10,000 requests, default jobs (the whole command)':<64} {'seconds':>8}")
+    for name, spec, dist in WRITTEN_CASES:
+        args = ["plan", name, "--speculative", spec.mode.value, "--num-speculative-tokens",
+                str(spec.num_speculative_tokens)] + (["--multi-module-mtp"] if spec.multi_module_mtp else [])
+        seconds = _cli(*args, "--shared-prefix", dist, "--suffix", "uniform:0:2000", "--requests", "10000")
+        print(f"{name + ' ' + dist:<64} {seconds:>8.2f}")
+
+
+WRITTEN_CASES = [("qwen3next", speculation("drop", 2, True), "uniform:2000:30000"),
+                 ("dsv4_report", speculation("drop", 1), "uniform:8000:70000"),
+                 ("dsv4_cuda", speculation("drop", 1), "uniform:8000:70000"),
+                 ("gemma", speculation("drop", 1), "uniform:500:30000"),
+                 ("three_kind", speculation("drop", 1), "uniform:2000:30000")]
 
 
 def _cli_start():
