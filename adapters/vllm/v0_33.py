@@ -634,7 +634,13 @@ def _spec_groups(coordinator: KVCacheCoordinator) -> tuple[list[tuple], int]:
 def _lookup(coordinator: KVCacheCoordinator, spec, group_ids: list[int], manager_cls,
             block_hashes: Sequence, max_length: int, drop: bool, alignment: int):
     """One of vLLM's finders, with the arguments vLLM's coordinator passes."""
-    manager = coordinator.single_type_managers[group_ids[0]]
+    return _find(coordinator.single_type_managers[group_ids[0]], spec, group_ids, manager_cls, block_hashes,
+                 max_length, drop, alignment)
+
+
+def _find(manager, spec, group_ids: list[int], manager_cls, block_hashes: Sequence, max_length: int, drop: bool,
+          alignment: int):
+    """:func:`_lookup` given the manager of the group ids' first group."""
     return manager_cls.find_longest_cache_hit(
         block_hashes=block_hashes,
         max_length=max_length,
@@ -696,23 +702,14 @@ def _walk_full_attention(plan: _WalkPlan, block_hashes: Sequence, max_cache_hit_
         |  cached blocks (run)  | tail? |            found = run * b (+ the partial tail)
         0                              walked * b    the blocks the finder looked at
     """
-    block, unit, manager = plan.block, plan.unit, plan.manager
+    block, unit = plan.block, plan.unit
     reach = len(block_hashes) * plan.hash_block
     max_length = min(max_cache_hit_length + plan.margin, reach) if plan.eagle else max_cache_hit_length
     if block % unit:
         raise _Inconsistent(f"full-attention groups {plan.group_ids}: block {block} is not a multiple of the "
                             f"alignment {unit}")
-    blocks, found = plan.manager_cls.find_longest_cache_hit(
-        block_hashes=block_hashes,
-        max_length=max_length,
-        kv_cache_group_ids=plan.group_ids,
-        block_pool=manager.block_pool,
-        kv_cache_spec=plan.spec,
-        drop_eagle_block=False,
-        alignment_tokens=unit,
-        dcp_world_size=manager.dcp_world_size,
-        pcp_world_size=manager.pcp_world_size,
-    )
+    blocks, found = _find(plan.manager, plan.spec, plan.group_ids, plan.manager_cls, block_hashes, max_length,
+                          False, unit)
     return _Walk(plan.group_ids, block, blocks, found, min(max_length, reach) // block)
 
 
