@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: a7aa76f0d092ccba0cd403aab13971593b7dc090df4255ec7d2c51d2c9a2b35e
-output-sha256: 63dcd5e63a5bd1b97df1491625902d33fc91432b18eb68715a29742b649b67b9
+spec-sha256: 8b1b74c622349ca65b433ff9ff9e3a5a4437ecc44ae8aea19e0f0cdc4ac14b0a
+output-sha256: a4bd6660ac1ed2b4498af3d4b71e492c0ab24692ac77a629cf274d495670e8e7
 """
 
 import itertools
@@ -383,8 +383,10 @@ def align(sizes: Sizes, x):
 #
 # A spec group ``k`` "has" boundary ``x`` when the block hash ending at token ``x`` is cached for every
 # KV-cache group of the spec group (vLLM: ``BlockPool.get_cached_block``). A block of ``u`` tokens with index
-# ``j`` is cached when boundary ``(j + 1) * u`` is. The Z3 lowering gives the same two queries a symbolic
-# meaning (:class:`kvhit.spec.lower_z3.SymbolicCache`); here they are plain loops over the oracle.
+# ``j`` is cached when boundary ``(j + 1) * u`` is. A lookup asks two queries, ``window`` and ``run_from``,
+# and a scan over the first, ``last_held`` (:func:`scan_last_held`, its one definition). The Z3 lowering gives
+# the two queries a symbolic meaning (:class:`kvhit.spec.lower_z3.SymbolicCache`) and lowers the scan; here they
+# are plain loops over the oracle.
 #
 # The write side describes what a request leaves behind as one :class:`Held` per spec group; the same
 # description is read here by plain loops (:func:`written_cache`) and in Z3 by a decision procedure over

@@ -2,8 +2,10 @@
 
 A spec group ``k`` "has" boundary ``x`` when the block hash ending at token ``x`` is cached for every
 KV-cache group of the spec group (vLLM: ``BlockPool.get_cached_block``). A block of ``u`` tokens with index
-``j`` is cached when boundary ``(j + 1) * u`` is. The Z3 lowering gives the same two queries a symbolic
-meaning (:class:`kvhit.spec.lower_z3.SymbolicCache`); here they are plain loops over the oracle.
+``j`` is cached when boundary ``(j + 1) * u`` is. A lookup asks two queries, ``window`` and ``run_from``,
+and a scan over the first, ``last_held`` (:func:`scan_last_held`, its one definition). The Z3 lowering gives
+the two queries a symbolic meaning (:class:`kvhit.spec.lower_z3.SymbolicCache`) and lowers the scan; here they
+are plain loops over the oracle.
 
 The write side describes what a request leaves behind as one :class:`Held` per spec group; the same
 description is read here by plain loops (:func:`written_cache`) and in Z3 by a decision procedure over
