@@ -332,9 +332,8 @@ def default_jobs():
 def evaluate(cands, workload, settings=None, jobs=None, policies=POLICIES, count_states=True):
     """Fill in each setting's expected cached tokens and retained states per request, per policy
     (``settings``: only these, default all; ``policies``: only these, default all three; retained states
-    and their cost left out unless ``count_states``). Work is done once
-    per distinct ``P`` (what the earlier request left, and its retained states) and once per distinct
-    ``(N, P)`` (the hit).
+    only with ``count_states``). Work is done once per distinct ``P`` (what the earlier request left, and
+    its retained states) and once per distinct ``(N, P)`` (the hit).
 
     Each (setting, policy) is independent, and so is each range of ``P``: with ``jobs`` > 1 (default:
     :func:`default_jobs`, when the work is large enough) the (setting, policy, range of ``P``) tasks run in

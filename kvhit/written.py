@@ -1,4 +1,4 @@
-"""A written cache state that answers the refimpl's two queries without walking every block.
+"""A written cache state that answers the refimpl's cache queries without walking every block.
 
 ``refimpl.written_cache(groups)`` answers ``run_from``, ``window`` and ``last_held`` by asking ``holds``
 once per block: a full-attention group of 64-token blocks holding a 30,000-token prompt costs 470 calls per
@@ -105,7 +105,8 @@ class WrittenCache(CacheState):
         unit that divides the step: a candidate ``x`` is itself the boundary asked about, so the answer is
         the highest of the held points and of the highest multiple of the step on the group's lattice (the
         boundaries it holds up to its extent) inside ``(lo, hi]``. Otherwise the scan, except that a
-        window missing block ``m`` skips every lower candidate whose window also contains ``m``.
+        window missing block ``m`` skips every lower candidate whose window also contains ``m`` and, on a
+        sliding window without gaps, every one whose window ends on a block it does not keep.
         """
         g = self.groups[k]
         top = hi // step * step
