@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 8b1b74c622349ca65b433ff9ff9e3a5a4437ecc44ae8aea19e0f0cdc4ac14b0a
-output-sha256: a4bd6660ac1ed2b4498af3d4b71e492c0ab24692ac77a629cf274d495670e8e7
+spec-sha256: 9625b0bf3736d5bf6932dc595d2d78f1608b793deeed716b229e40bf0047d919
+output-sha256: 70cbd4027a8080ac787e239ad95ab8555f20373d4232af05f9c00d44313147c4
 """
 
 import itertools
@@ -447,9 +447,9 @@ class CacheState:
 
 def scan_last_held(cache, k, step, lo, hi, unit, before, after):
     """What ``last_held`` means, for every cache state: scan the multiples of ``step`` down from ``hi`` for
-    the first above ``lo`` whose window is cached. The Z3 caches lower this scan; a cache
-    state that knows its own structure may answer ``last_held`` without it, with the same result and the
-    same ``max_query`` (the scan asks its highest candidate first)."""
+    the first above ``lo`` whose window is cached. The Z3 caches lower this scan; a cache state that knows
+    its own structure may answer ``last_held`` without it, with the same result and the same ``max_query``
+    (the scan asks its highest candidate first)."""
     return max_aligned(step, hi, lambda x: x > lo and cache.window(k, x, unit, before, after))
 
 @dataclass(frozen=True)

@@ -73,9 +73,9 @@ class CacheState:
 
 def scan_last_held(cache, k, step, lo, hi, unit, before, after):
     """What ``last_held`` means, for every cache state: scan the multiples of ``step`` down from ``hi`` for
-    the first above ``lo`` whose window is cached. The Z3 caches lower this scan; a cache
-    state that knows its own structure may answer ``last_held`` without it, with the same result and the
-    same ``max_query`` (the scan asks its highest candidate first)."""
+    the first above ``lo`` whose window is cached. The Z3 caches lower this scan; a cache state that knows
+    its own structure may answer ``last_held`` without it, with the same result and the same ``max_query``
+    (the scan asks its highest candidate first)."""
     return max_aligned(step, hi, lambda x: and_(x > lo, cache.window(k, x, unit, before, after)))
 
 
