@@ -70,6 +70,14 @@ def _written_plan(name, spec, workload, jobs, shown):
     return cands, time.perf_counter() - started
 
 
+# (layout, speculation, shared-prefix distribution) of the written-cache table
+WRITTEN_CASES = [("qwen3next", speculation("drop", 2, True), "uniform:2000:30000"),
+                 ("dsv4_report", speculation("drop", 1), "uniform:8000:70000"),
+                 ("dsv4_cuda", speculation("drop", 1), "uniform:8000:70000"),
+                 ("gemma", speculation("drop", 1), "uniform:500:30000"),
+                 ("three_kind", speculation("drop", 1), "uniform:2000:30000")]
+
+
 def main():
     print(f"{'what':<58} {'seconds':>8}")
     print(f"{'python -c pass (interpreter start, for scale)':<58} {_cli_start():>8.2f}")
@@ -115,13 +123,6 @@ def main():
                 str(spec.num_speculative_tokens)] + (["--multi-module-mtp"] if spec.multi_module_mtp else [])
         seconds = _cli(*args, "--shared-prefix", dist, "--suffix", "uniform:0:2000", "--requests", "10000")
         print(f"{name + ' ' + dist:<64} {seconds:>8.2f}")
-
-
-WRITTEN_CASES = [("qwen3next", speculation("drop", 2, True), "uniform:2000:30000"),
-                 ("dsv4_report", speculation("drop", 1), "uniform:8000:70000"),
-                 ("dsv4_cuda", speculation("drop", 1), "uniform:8000:70000"),
-                 ("gemma", speculation("drop", 1), "uniform:500:30000"),
-                 ("three_kind", speculation("drop", 1), "uniform:2000:30000")]
 
 
 def _cli_start():
