@@ -99,10 +99,13 @@ def _plan_parser(sub):
                    help="written (default): what the shared prefix left as a prompt of its own; dense: every "
                         "state of the shared prefix retained (no retention setting)")
     p.add_argument("--rank-by", choices=["reference", "vllm_0_33", "historical"], default="reference")
-    p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--top", type=int, default=10,
+                   help="rows of the table (default 10); the policies other than --rank-by are evaluated for "
+                        "these rows only")
     p.add_argument("--plot", metavar="PNG", help="write hit length vs prompt length for the best settings")
     p.add_argument("--plot-settings", type=int, default=3, help="settings in the plot (default 3)")
-    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the ranking as JSON (every setting under every policy: slower than the table)")
     p.add_argument("--jobs", type=int, default=None, metavar="J",
                    help="worker processes for large workloads (default: the CPUs available; 1: no workers)")
 
