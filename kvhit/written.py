@@ -22,6 +22,12 @@ from kvhit import refimpl
 from kvhit.refimpl import CacheState, Kind, holds
 
 
+def _by_tails(g, unit):
+    """Whether a group read at ``unit`` is a sliding window read block by block without gaps (none of
+    ``g.gaps`` is non-empty): then its held blocks are decided once per tail."""
+    return g.kind is Kind.SWA and unit == g.block and not any(lo < hi for lo, hi in g.gaps)
+
+
 class WrittenCache(CacheState):
     """Spec group ``k`` holds what ``groups[k]`` (a ``refimpl.Held``) says."""
 
@@ -37,18 +43,14 @@ class WrittenCache(CacheState):
     def _first_miss(self, k, unit, j):
         """The first block index ``i >= j`` whose boundary ``(i + 1) * unit`` group ``k`` does not hold."""
         g = self.groups[k]
-        swa = g.kind is Kind.SWA
-        if swa and unit == g.block and not any(lo < hi for lo, hi in g.gaps):
+        if _by_tails(g, unit):
             return self._tails_first_miss(g, j)
         if not holds(g, (j + 1) * unit):
             return j
-        if swa and any(lo < hi for lo, hi in g.gaps):
-            # blocks lost before caching (refimpl.sliding_window_gaps) break the stretches: ask each block
-            while holds(g, (j + 1) * unit):
-                j += 1
-            return j
-        if swa:
-            whole = False  # read at a unit other than its block
+        if g.kind is Kind.SWA:
+            # gaps (blocks lost before caching, refimpl.sliding_window_gaps) break the tails, and so does a
+            # unit other than the block: ask each block
+            whole = False
         elif g.kind is Kind.MAMBA:
             whole = unit % g.unit == 0 and (g.every or (g.period > 0 and unit % g.period == 0))
         else:
@@ -129,6 +131,7 @@ class WrittenCache(CacheState):
                 if y > lo and y > best:
                     best = y
             return best
+        tails = _by_tails(g, unit)
         x = top
         while x > 0 and x > lo:
             first, end = max(0, x // unit - before), x // unit + after
@@ -141,7 +144,7 @@ class WrittenCache(CacheState):
             self._seen((miss + 1) * unit)
             # every candidate x' with x' // unit > miss - after has block `miss` in its window
             q = miss - after
-            if g.kind is Kind.SWA and unit == g.block and not any(a < b for a, b in g.gaps):
+            if tails:
                 # and the last block of a held window, x' // unit + after - 1, is held
                 q = min(q, self._last_held_block(g, miss - 1) - after + 1)
             x = min(x - step, ((q + 1) * unit - 1) // step * step)
