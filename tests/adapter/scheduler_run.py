@@ -56,16 +56,17 @@ _NEMOTRON_H = {
     "conv_kernel": 4, "expand": 1, "max_position_embeddings": 16384, "bos_token_id": 1, "eos_token_id": 2,
     "torch_dtype": "float32",
 }
-# The Llama with one KV head (and 8 query heads): vLLM accepts decode context parallelism for GQA/MQA only
-# when the tensor-parallel size exceeds the KV heads, and needs the query heads divisible by it (up to 8).
-_LLAMA_MQA = {**_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 1, "hidden_size": 256}
+# One KV head (and 8 query heads): vLLM accepts decode context parallelism for GQA/MQA only when the
+# tensor-parallel size exceeds the KV heads, and needs the query heads divisible by it (up to 8).
+_MQA = {"num_attention_heads": 8, "num_key_value_heads": 1, "hidden_size": 256}
+_LLAMA_MQA = {**_LLAMA, **_MQA}
 MODELS = {
     "llama": _LLAMA,
     "llama_eagle_draft": {**_LLAMA, "num_hidden_layers": 1},
     "llama_mqa": _LLAMA_MQA,
     "llama_mqa_eagle_draft": {**_LLAMA_MQA, "num_hidden_layers": 1},
     "nemotron_h_mtp": _NEMOTRON_H,
-    "nemotron_h_mtp_mqa": {**_NEMOTRON_H, "num_attention_heads": 8, "num_key_value_heads": 1, "hidden_size": 256},
+    "nemotron_h_mtp_mqa": {**_NEMOTRON_H, **_MQA},
 }
 
 
