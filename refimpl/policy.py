@@ -1,7 +1,7 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 9625b0bf3736d5bf6932dc595d2d78f1608b793deeed716b229e40bf0047d919
+spec-sha256: 5bc6a0afe4b295ec9c7bba9a30afea533f20d9f37baa45b6de36516141ac7fdc
 output-sha256: 70cbd4027a8080ac787e239ad95ab8555f20373d4232af05f9c00d44313147c4
 """
 

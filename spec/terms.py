@@ -9,6 +9,11 @@ exactly one entry in :data:`OPERATORS`, which says how it behaves in each of the
   which wrap Z3 expressions. Layout quantities (block sizes, windows, DCP size) stay concrete Python ints;
   request state (prompt length, cache state) is symbolic.
 
+The Python lowering also runs per layout (:mod:`kvhit.spec.stage`): the spec functions executed with the
+layout concrete and the request as staged Python expressions, each operator call written with the same
+``source`` template, which leaves one function of the request for that layout (what the vLLM adapter
+calls per lookup).
+
 Two rules keep the lowerings honest:
 
 * A symbolic value in a Python ``if``/``and``/``or``/``not`` raises :class:`SymbolicBranchError`
@@ -191,6 +196,18 @@ def is_symbolic(*vals) -> bool:
     return any(isinstance(v, Term) or hasattr(v, "__kvhit_set__") for v in vals)
 
 
+def _staged(*vals) -> bool:
+    """Whether the staged lowering (:mod:`kvhit.spec.stage`) is running and a value is one of its."""
+    return bool(_LOWERING.get("stage")) and any(hasattr(v, "__kvhit_code__") for v in vals)
+
+
+def _stage(name: str, *args):
+    """The call of operator ``name`` in the staged lowering: the expression its ``source`` makes."""
+    from .stage import staged_call
+
+    return staged_call(OPERATORS[name], args)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The operators. Concrete behaviour is plain Python; each lowers to Z3 and to Python source.
 # ----------------------------------------------------------------------------------------------------
@@ -225,6 +242,8 @@ def _operator(source: str, doc: str):
 @_operator("({1} if {0} else {2})", "if-then-else; both branches must have the same shape")
 def ite(cond, then, other):
     """``then`` if ``cond`` else ``other``. Tuples are chosen element-wise in Z3."""
+    if _staged(cond, then, other) or (isinstance(then, tuple) and _staged(cond, *then, *other)):
+        return _stage("ite", cond, then, other)
     if not is_symbolic(cond):
         return then if cond else other
     if isinstance(then, tuple):
@@ -238,6 +257,8 @@ def ite(cond, then, other):
 
 @_operator("min({0}, {1})", "minimum of two integers")
 def min_(a, b):
+    if _staged(a, b):
+        return _stage("min_", a, b)
     if not is_symbolic(a, b):
         return min(a, b)
     return ite(a <= b, a, b)
@@ -245,6 +266,8 @@ def min_(a, b):
 
 @_operator("max({0}, {1})", "maximum of two integers")
 def max_(a, b):
+    if _staged(a, b):
+        return _stage("max_", a, b)
     if not is_symbolic(a, b):
         return max(a, b)
     return ite(a >= b, a, b)
@@ -264,6 +287,8 @@ def floor_to(a, unit):
 
 @_operator("(({0}) == ({1}))", "integer equality")
 def eq(a, b):
+    if _staged(a, b):
+        return _stage("eq", a, b)
     if not is_symbolic(a, b):
         return a == b
     return _cmp(a, b, "eq")
@@ -280,6 +305,8 @@ def _symbolic_connective(op: str, a, b):
 
 @_operator("({0} and {1})", "conjunction")
 def and_(a, b):
+    if _staged(a, b):
+        return _stage("and_", a, b)
     if not is_symbolic(a, b):
         return a and b
     if a is False or b is False:  # a concrete False decides it, as in Python
@@ -289,6 +316,8 @@ def and_(a, b):
 
 @_operator("({0} or {1})", "disjunction")
 def or_(a, b):
+    if _staged(a, b):
+        return _stage("or_", a, b)
     if not is_symbolic(a, b):
         return a or b
     if a is True or b is True:  # a concrete True decides it, as in Python
@@ -298,6 +327,8 @@ def or_(a, b):
 
 @_operator("(not {0})", "negation (not of a predicate on a scan variable)")
 def not_(a):
+    if _staged(a):
+        return _stage("not_", a)
     if not is_symbolic(a):
         return not a
     if hasattr(a, "__kvhit_set__"):
@@ -316,6 +347,8 @@ def max_aligned(step: int, hi, pred: Callable[[Any], Any]):
     lowered to a finite union of intervals of ``x`` and the maximum is taken in closed form (no quantifier).
     """
     _positive_divisor(step)
+    if _LOWERING.get("stage"):  # staged even at a concrete bound: the predicate may ask the cache
+        return _stage("max_aligned", step, hi, pred)
     if is_symbolic(hi):
         from .lower_z3 import symbolic_max_aligned
 
