@@ -3,7 +3,9 @@
 a request leaves state (write side).
 
 Imported by :func:`kvhit.adapters.vllm.install` only after it checked that vLLM is 0.33.0. This is the one
-module of kvhit that imports vLLM internals; of kvhit it imports only the generated ``kvhit.refimpl``.
+module of kvhit that imports vLLM internals; of kvhit it imports the generated ``kvhit.refimpl`` and the
+spec's staged lowering (``kvhit.spec.stage``), which specialises the reference hit to the layout once, when
+the coordinator is built.
 
 Seams (each restored by :func:`uninstall`):
 
@@ -26,8 +28,8 @@ An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_l
 
     for each of vLLM's full-attention spec groups:                   # the prefix, walked once
         walk = manager_cls.find_longest_cache_hit(max_length=vLLM's first-pass bound, no drop)
-    hit = refimpl.hit_tokens(PoolCache(walks), sizes, N, REFERENCE)  # leading runs: the walks'; other
-                                                                     # queries: BlockPool.get_cached_block
+    hit = hit_tokens(N, PoolCache(walks))     # refimpl.hit_tokens(..., REFERENCE), staged for the layout;
+                                              # leading runs: the walks'; other queries: get_cached_block
     for each of vLLM's spec groups:                                  # blocks come from vLLM's own finders
         full attention: the walk's blocks cut to cdiv(hit, block)
         other kinds:    manager_cls.find_longest_cache_hit(max_length=hit), which must return exactly hit
@@ -92,11 +94,13 @@ from kvhit.refimpl import (
     group_extent,
     group_extents,
     hit_tokens,
-    num_hashes,
     read_unit,
     reference_pass,
     replay_boundaries,
 )
+
+from kvhit.spec.stage import stage_hit_tokens
+from kvhit.spec.terms import SpecError
 
 from . import log_once, logger
 
@@ -138,8 +142,10 @@ class CoordinatorModel:
             (``write_note`` says why).
         walked: the spec groups whose leading run a lookup's walks of vLLM's full-attention groups give,
             with those groups' indices in vLLM's lookup order (:func:`walk_sources`).
-        walk_plans: per vLLM spec group, what its walk needs from the coordinator (:func:`walk_plans`).
-        hits: recent reference hits on this layout (:class:`HitMemo`).
+        plans: per vLLM spec group in lookup order, what looking it up needs (:func:`group_plans`).
+        hit_tokens: ``refimpl.hit_tokens`` under the reference policy on this layout, as a function of
+            ``(N, cache)``: the spec's ``hit_tokens`` staged for the layout (:func:`reference_hit_tokens`).
+        cache: the :class:`PoolCache` of the coordinator's pool on ``members``, which each lookup starts.
     """
 
     layout: Layout
@@ -151,8 +157,9 @@ class CoordinatorModel:
     write: WriteModel | None = None
     write_note: str = ""
     walked: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    walk_plans: tuple = dataclasses.field(default=(), compare=False, repr=False)
-    hits: HitMemo = dataclasses.field(default_factory=lambda: HitMemo(), compare=False, repr=False)
+    plans: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    hit_tokens: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    cache: PoolCache = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def unitary(self) -> bool:
@@ -371,7 +378,9 @@ def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
     members = tuple(tuple(sg.members) for sg in sizes.groups)
     walked = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
     return CoordinatorModel(layout, speculation, sizes, members, tuple(spec_group_of), layout.name, write,
-                            write_note, walked, walk_plans(coordinator))
+                            write_note, walked, group_plans(coordinator),
+                            reference_hit_tokens(layout, speculation),
+                            PoolCache(coordinator.block_pool, sizes.hash_block, members, walked))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,23 +414,8 @@ class _Walk(NamedTuple):
     walked: int
 
 
-class _Run(NamedTuple):
-    """A spec group's leading run of cached blocks of ``block`` tokens as vLLM's finders walked it: the
-    first ``run`` blocks are cached; block ``run`` is not when ``run < walked``, else unknown."""
-
-    block: int
-    run: int
-    walked: int
-
-
-def pool_has(get_cached_block: Callable, block_hashes: Sequence, hash_block: int, group_ids: Sequence[int],
-             x: int) -> bool:
-    """Whether the request's block hash ending at token ``x`` is cached for every group of ``group_ids``
-    (``get_cached_block``: vLLM's ``BlockPool.get_cached_block``)."""
-    j, rest = divmod(x, hash_block)
-    if rest:
-        raise ValueError(f"boundary {x} is not a multiple of the hash unit {hash_block}")
-    return 0 < j <= len(block_hashes) and get_cached_block(block_hashes[j - 1], group_ids) is not None
+# A _Walk without NamedTuple's Python-level __new__ (a lookup makes one per walk).
+_new_tuple = tuple.__new__
 
 
 class PoolCache(CacheState):
@@ -429,87 +423,92 @@ class PoolCache(CacheState):
     request's block hash ending at ``x`` is cached for every KV-cache group of ``k`` (vLLM:
     ``BlockPool.get_cached_block``).
 
-    The pool is asked only what the refimpl asks, once (answers are memoised: the pool does not change during
-    a lookup). A full-attention group's leading run, which the refimpl reads from block 0 and which is most
-    of a lookup's work on a long prompt, is the run vLLM's own finder already walked (``runs``), extended
-    through the pool only past where that walk stopped; ``run_from`` and ``max_query`` are what the loop
-    over ``has`` would give (``tests/adapter/test_pool_cache.py``).
+    Built once per coordinator and spec-group membership, and :meth:`start` ed for each lookup (one at a
+    time: vLLM's scheduler is one thread; the lookup path makes no object it does not need). The pool is
+    asked each boundary once per lookup (answers are memoised in ``asked``: the pool does not change during
+    a lookup). A full-attention group's leading run, which a lookup reads from block 0 and which is most of
+    its work on a long prompt, is the run vLLM's own finder already walked (``sources``: the walks that
+    give it), extended through the pool only past where that walk stopped; ``run_from`` and ``max_query``
+    are what the loop over ``has`` would give (``tests/adapter/test_pool_cache.py``).
 
     Args:
         members: per spec group, the KV-cache group ids to ask for.
-        runs: per spec group whose leading run vLLM walked, that run.
+        sources: per spec group whose leading run vLLM's walks give, the indices of those walks in vLLM's
+            lookup order (:func:`walk_sources`).
     """
 
-    def __init__(self, block_pool, block_hashes: Sequence, hash_block: int,
-                 members: Sequence[Sequence[int]], runs: dict[int, _Run] | None = None) -> None:
-        members = [list(m) for m in members]
-        get_cached_block = block_pool.get_cached_block
-        memo: dict[tuple[int, int], bool] = {}
+    def __init__(self, block_pool, hash_block: int, members: Sequence[Sequence[int]],
+                 sources: Sequence[tuple[int, Sequence[int]]] = ()) -> None:
+        # CacheState's oracle is the method below, not an instance attribute
+        self.get_cached_block = block_pool.get_cached_block
+        self.hash_block, self.members, self.sources = hash_block, members, dict(sources)
+        self.asked: dict[tuple[int, int], bool] = {}  # (k, x) -> answer, in the order first asked
+        self.block_hashes: Sequence = ()
+        self.walks: Sequence[_Walk | None] = ()
+        self.max_query = 0
 
-        def has(k: int, x: int) -> bool:
-            key = (k, x)
-            found = memo.get(key)
-            if found is None:
-                found = memo[key] = pool_has(get_cached_block, block_hashes, hash_block, members[k], x)
-            return found
+    def start(self, block_hashes: Sequence, walks: Sequence[_Walk | None] = ()) -> PoolCache:
+        """The cache of a lookup of ``block_hashes`` whose walks of vLLM's spec groups are ``walks`` (none:
+        every run is read from the pool); what the last lookup asked is forgotten."""
+        self.block_hashes, self.walks, self.max_query = block_hashes, walks, 0
+        self.asked.clear()
+        return self
 
-        super().__init__(has)
-        self.runs = runs or {}
-        self.asked = memo  # (k, x) -> answer, in the order the boundaries were first asked about
+    def has(self, k, x):
+        """Whether the request's block hash ending at token ``x`` is cached for every KV-cache group of
+        spec group ``k``."""
+        key = (k, x)
+        found = self.asked.get(key)
+        if found is None:
+            j, rest = divmod(x, self.hash_block)
+            if rest:
+                raise ValueError(f"boundary {x} is not a multiple of the hash unit {self.hash_block}")
+            hashes = self.block_hashes
+            found = self.asked[key] = (0 < j <= len(hashes)
+                                       and self.get_cached_block(hashes[j - 1], self.members[k]) is not None)
+        return found
 
     def run_from(self, k, start, unit, limit):
-        """``CacheState.run_from``; from block 0 of a walked group, the walk's answer."""
-        known = self.runs.get(k)
-        if known is None or start != 0 or unit != known.block:
+        """``CacheState.run_from``; from block 0 of a walked group, the walks' answer: the shortest of the
+        runs of the walks that give the group (a block is cached for the spec group when it is for every
+        walk), known past where the first of them stopped looking only if none stopped earlier."""
+        indices = self.sources.get(k) if start == 0 and self.walks else None
+        if indices is None:
             return super().run_from(k, start, unit, limit)
-        if known.run == known.walked and limit > known.walked:
-            return known.run + super().run_from(k, known.run, unit, limit)
-        n = max(0, min(known.run, limit))
+        walk = self.walks[indices[0]]
+        block, walked, run = walk[1], walk[4], walk[3] // walk[1]  # block, walked, found // block
+        if unit != block:
+            return super().run_from(k, start, unit, limit)
+        for i in indices[1:]:
+            walk = self.walks[i]
+            walked, run = min(walked, walk.walked), min(run, walk.found // block)
+        if run >= walked:
+            run = walked
+            if limit > walked:  # every block the walks looked at is cached: the pool answers past them
+                return run + super().run_from(k, run, unit, limit)
+        n = run if run < limit else max(0, limit)
         last = (n + 1) * unit if n < limit else n * unit  # the boundary the loop would have asked last
         if last > self.max_query:
             self.max_query = last
         return n
 
 
-class HitMemo:
-    """Reference hits of recent lookups on one layout, each with the pool answers it was computed from.
-
-    ``refimpl.hit_tokens`` is a pure function of the layout's sizes, ``N`` and what the cache answers: the
-    leading runs vLLM's walks found (:class:`PoolCache` ``runs``) and the boundaries it asked the pool
-    about (``PoolCache.asked``). A later lookup with the same ``N`` and runs whose pool gives the same
-    answer for every one of those boundaries would make the refimpl ask exactly those (each question it
-    asks is decided by the answers before it) and return the same hit; one different answer and the hit is
-    computed again. A repeated lookup (a request waiting for blocks is looked up at every scheduler step;
-    a prompt sent again) then costs vLLM's walk and the probes, not the refimpl's Python.
-    ``tests/adapter/test_pool_cache.py`` checks memoised hits against fresh ones as the pool changes.
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self.entries: dict[tuple, tuple[tuple, int, int]] = {}
-
-    def hit(self, coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
-            walks: Sequence[_Walk | None], n_tokens: int) -> tuple[int, int]:
-        """``(hit, reach)`` of ``refimpl.hit_tokens`` on the request's :func:`pool_cache` under the
-        reference policy. The runs are a function of what the walks found and how far they looked (their
-        blocks are the coordinator's), so those are the key with ``N``."""
-        key = (n_tokens, tuple([(w.found, w.walked) for w in walks if w is not None]))
-        entry = self.entries.get(key)
-        if entry is not None:
-            asked, hit, reach = entry
-            get_cached_block, members = coordinator.block_pool.get_cached_block, model.members
-            h = model.sizes.hash_block
-            for (k, x), answer in asked:
-                if pool_has(get_cached_block, block_hashes, h, members[k], x) != answer:
-                    break
-            else:
-                return hit, reach
-        cache = pool_cache(coordinator, block_hashes, model, walks=walks)
-        hit, reach, _, _ = hit_tokens(cache, model.sizes, n_tokens, REFERENCE)
-        if len(self.entries) >= self.capacity:
-            self.entries.clear()
-        self.entries[key] = (tuple(cache.asked.items()), hit, reach)
-        return hit, reach
+def reference_hit_tokens(layout: Layout, speculation: Speculation) -> Callable:
+    """``refimpl.hit_tokens`` under the reference policy for one layout, as a function of ``(N, cache)``:
+    the spec's ``hit_tokens`` staged for the layout (``kvhit.spec.stage``: the layout's branches taken
+    once, when the coordinator is built, leaving what depends on the request; the same operator table the
+    refimpl is generated with; ``tests/properties/test_staged.py`` checks it against ``refimpl``). The
+    generic ``refimpl.hit_tokens`` costs a lookup several microseconds of Python per call that the staged
+    function does not (``make bench``). If the layout cannot be staged (no reference layout is known not
+    to), that generic one, logged once."""
+    try:
+        _, staged = stage_hit_tokens(layout, speculation, "reference")
+        return staged
+    except SpecError as e:
+        log_once(logging.WARNING, "kvhit: the reference hit of layout %s is not staged (%s); the generic "
+                 "refimpl computes it", layout.name, e)
+        sizes = derive_sizes(layout, speculation)
+        return lambda n_tokens, cache: hit_tokens(cache, sizes, n_tokens, REFERENCE)
 
 
 class _OneGroup(CacheState):
@@ -547,36 +546,17 @@ def walk_sources(members: Sequence[Sequence[int]], spec_groups,
     return tuple(sources)
 
 
-def known_runs(sources: Sequence[tuple[int, Sequence[int]]],
-               walks: Sequence[_Walk | None]) -> dict[int, _Run]:
-    """Per spec group of ``sources`` (see :func:`walk_sources`), its leading run from ``walks`` (one per
-    vLLM spec group): the shortest of its walks' runs (a block is cached for the spec group when it is for
-    every walk), known past where the first of them stopped looking only if none stopped earlier."""
-    runs = {}
-    for k, indices in sources:
-        walk = walks[indices[0]]
-        block, walked, run = walk.block, walk.walked, walk.found // walk.block
-        for i in indices[1:]:
-            walk = walks[i]
-            walked, run = min(walked, walk.walked), min(run, walk.found // block)
-        runs[k] = _Run(block, min(run, walked), walked)
-    return runs
-
-
 def pool_cache(coordinator: KVCacheCoordinator, block_hashes: Sequence, model: CoordinatorModel,
                members: Sequence[Sequence[int]] | None = None,
                walks: Sequence[_Walk | None] = ()) -> PoolCache:
-    """The :class:`PoolCache` of a request on ``model``'s spec groups (or on ``members``), given the walks
+    """A new :class:`PoolCache` of a request on ``model``'s spec groups (or on ``members``), given the walks
     the lookup made of the coordinator's spec groups (:func:`_walks`)."""
-    if not walks:
-        runs = {}
-    elif members is None:
-        runs = known_runs(model.walked, walks)
+    if members is None:
+        members, sources = model.members, model.walked
     else:
         sources = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
-        runs = known_runs(sources, walks)
-    members = model.members if members is None else members
-    return PoolCache(coordinator.block_pool, block_hashes, model.sizes.hash_block, members, runs)
+    cache = PoolCache(coordinator.block_pool, model.sizes.hash_block, members, sources)
+    return cache.start(block_hashes, walks)
 
 
 def _block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
@@ -584,33 +564,34 @@ def _block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
     return [manager.block_size for manager in coordinator.single_type_managers]
 
 
-def _n_tokens(model: CoordinatorModel, block_hashes: Sequence, max_cache_hit_length: int) -> int:
-    """``N`` of a lookup vLLM capped at ``N - 1``.
+def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
+               walks: Sequence[_Walk | None], max_cache_hit_length: int) -> tuple[int, int]:
+    """``(hit, reach)`` of ``refimpl.hit_tokens`` under the reference policy for a request of
+    ``N = max_cache_hit_length + 1`` tokens on the model's :class:`PoolCache`, started for this lookup.
 
     Raises:
-        _Stock: the cap is not ``N - 1`` for a request with these block hashes (a KV connector's cap);
-            the spec models only ``N - 1``.
+        _Stock: the cap is not ``N - 1`` for a request with these block hashes (a KV connector's cap;
+            the spec models only ``N - 1``): the hashes of ``N`` tokens would not reach as far as these.
     """
-    n_tokens = max_cache_hit_length + 1
-    if num_hashes(model.sizes, n_tokens) != len(block_hashes):
+    hit, reach, _, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
+    if reach != len(block_hashes) * model.sizes.hash_block:
         raise _Stock(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
                      f"{len(block_hashes)} block hashes: the cap is not N - 1 (a KV connector's cap); "
                      "the spec models only N - 1")
-    return n_tokens
+    return hit, reach
 
 
 def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
                   max_cache_hit_length: int) -> tuple[int, int]:
     """``(hit, reach)`` of the reference policy for a request whose lookup vLLM capped at
     ``max_cache_hit_length``, as the enforced lookup computes it (shadow mode): vLLM's finder walks each
-    full-attention prefix (:func:`_walks`) and the hit is memoised (:class:`HitMemo`).
+    full-attention prefix (:func:`_walks`).
 
     Raises:
-        _Stock: see :func:`_n_tokens`.
+        _Stock: see :func:`_reference`.
     """
-    n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
-    walks = _walks(model, block_hashes, max_cache_hit_length)
-    return model.hits.hit(coordinator, model, block_hashes, walks, n_tokens)
+    return _reference(coordinator, model, block_hashes, _walks(model, block_hashes, max_cache_hit_length),
+                      max_cache_hit_length)
 
 
 def group_reference_hit(model: CoordinatorModel, cache: CacheState, k: int, bound: int, reach: int) -> int:
@@ -631,90 +612,88 @@ def _spec_groups(coordinator: KVCacheCoordinator) -> tuple[list[tuple], int]:
     return coordinator.attention_groups, coordinator._cache_hit_alignment_tokens
 
 
-def _lookup(coordinator: KVCacheCoordinator, spec, group_ids: list[int], manager_cls,
-            block_hashes: Sequence, max_length: int, drop: bool, alignment: int):
-    """One of vLLM's finders, with the arguments vLLM's coordinator passes."""
-    return _find(coordinator.single_type_managers[group_ids[0]], spec, group_ids, manager_cls, block_hashes,
-                 max_length, drop, alignment)
+class _GroupPlan(NamedTuple):
+    """What looking up one of vLLM's spec groups with its own finder needs from the coordinator; fixed when
+    the coordinator is built, so a lookup does not look it up again (:func:`group_plans`).
 
+    ``full``: a full-attention group, walked once per lookup (:func:`_walk_full_attention`); ``margin``:
+    the EAGLE margin vLLM's first pass looks past the cap (an EAGLE group only); ``unit``: the alignment its
+    finder is called with (a walk's: vLLM's when finer than the block, hash granularity).
+    """
 
-def _find(manager, spec, group_ids: list[int], manager_cls, block_hashes: Sequence, max_length: int, drop: bool,
-          alignment: int):
-    """:func:`_lookup` given the manager of the group ids' first group."""
-    return manager_cls.find_longest_cache_hit(
-        block_hashes=block_hashes,
-        max_length=max_length,
-        kv_cache_group_ids=group_ids,
-        block_pool=manager.block_pool,
-        kv_cache_spec=spec,
-        drop_eagle_block=drop,
-        alignment_tokens=alignment,
-        dcp_world_size=manager.dcp_world_size,
-        pcp_world_size=manager.pcp_world_size,
-    )
-
-
-class _WalkPlan(NamedTuple):
-    """What the walk of one of vLLM's full-attention spec groups needs from the coordinator; fixed when the
-    coordinator is built, so a lookup does not look it up again (:func:`walk_plans`)."""
-
-    spec: FullAttentionSpec
+    spec: object
     group_ids: list[int]
     manager_cls: type
-    manager: object
+    block_pool: object
+    dcp: int
+    pcp: int
     block: int
-    hash_block: int
+    full: bool
     eagle: bool
-    margin: int  # the EAGLE margin vLLM's first pass looks past the cap (an EAGLE group only)
+    margin: int
     unit: int
 
+    def find(self, block_hashes: Sequence, max_length: int, alignment: int):
+        """vLLM's finder of the group, with the arguments vLLM's coordinator passes, without the drop."""
+        return self.manager_cls.find_longest_cache_hit(
+            block_hashes=block_hashes,
+            max_length=max_length,
+            kv_cache_group_ids=self.group_ids,
+            block_pool=self.block_pool,
+            kv_cache_spec=self.spec,
+            drop_eagle_block=False,
+            alignment_tokens=alignment,
+            dcp_world_size=self.dcp,
+            pcp_world_size=self.pcp,
+        )
 
-def walk_plans(coordinator: KVCacheCoordinator) -> tuple[_WalkPlan | None, ...]:
-    """Per vLLM spec group in lookup order, its :class:`_WalkPlan` (None for kinds other than full
-    attention)."""
+
+def group_plans(coordinator: KVCacheCoordinator) -> tuple[_GroupPlan, ...]:
+    """Per vLLM spec group in lookup order, its :class:`_GroupPlan`.
+
+    Raises:
+        Unmodelled: a full-attention block that is not a multiple of vLLM's alignment when the alignment is
+            finer (the walk could not find the group's run of blocks).
+    """
     spec_groups, alignment = _spec_groups(coordinator)
     h = coordinator.block_pool.hash_block_size
     plans = []
     for spec, group_ids, manager_cls, use_eagle in spec_groups:
-        if not isinstance(spec, FullAttentionSpec):
-            plans.append(None)
-            continue
         manager = coordinator.single_type_managers[group_ids[0]]
         block = manager.block_size
+        full = isinstance(spec, FullAttentionSpec)
         margin = 0
-        if use_eagle:
+        if full and use_eagle:
             margin = eagle_proof_margin(
                 block, h, coordinator.enable_partial_hash_hits and manager_cls.supports_fine_grained_hash_lookup)
-        # vLLM's alignment when finer than the block (hash granularity)
-        plans.append(_WalkPlan(spec, group_ids, manager_cls, manager, block, h, use_eagle, margin,
-                               min(alignment, block)))
+        unit = min(alignment, block) if full else alignment
+        if full and block % unit:
+            raise Unmodelled(f"full-attention groups {group_ids}: block {block} is not a multiple of the "
+                             f"alignment {unit}")
+        plans.append(_GroupPlan(spec, group_ids, manager_cls, manager.block_pool, manager.dcp_world_size,
+                                manager.pcp_world_size, block, full, full and use_eagle, margin, unit))
     return tuple(plans)
 
 
-def _walk_full_attention(plan: _WalkPlan, block_hashes: Sequence, max_cache_hit_length: int) -> _Walk:
+def _walk_full_attention(plan: _GroupPlan, block_hashes: Sequence, max_cache_hit_length: int) -> _Walk:
     """One full-attention spec group looked up by vLLM's ``FullAttentionManager.find_longest_cache_hit``
     as vLLM's first pass bounds it (the cap; an EAGLE group the cap plus its margin, within the hashes),
     without the drop and aligned to at most its block, so that it returns the group's leading run of
     cached blocks (at hash granularity, also the highest cached boundary inside the next block, as vLLM's
     own pass finds it) with their blocks. The lookup's one walk of the prefix: the refimpl reads the run
-    from it (:class:`PoolCache`) and the group's blocks are cut from it (:func:`_spec_group_blocks`)::
+    from it (:class:`PoolCache`) and the group's blocks are cut from it (:func:`_group_blocks`)::
 
         |  cached blocks (run)  | tail? |            found = run * b (+ the partial tail)
         0                              walked * b    the blocks the finder looked at
     """
-    block, unit = plan.block, plan.unit
-    reach = len(block_hashes) * plan.hash_block
+    reach = len(block_hashes) * plan.block_pool.hash_block_size
     max_length = min(max_cache_hit_length + plan.margin, reach) if plan.eagle else max_cache_hit_length
-    if block % unit:
-        raise _Inconsistent(f"full-attention groups {plan.group_ids}: block {block} is not a multiple of the "
-                            f"alignment {unit}")
-    blocks, found = _find(plan.manager, plan.spec, plan.group_ids, plan.manager_cls, block_hashes, max_length,
-                          False, unit)
-    return _Walk(plan.group_ids, block, blocks, found, min(max_length, reach) // block)
+    blocks, found = plan.find(block_hashes, max_length, plan.unit)
+    walked = min(max_length, reach) // plan.block
+    return _new_tuple(_Walk, (plan.group_ids, plan.block, blocks, found, walked))
 
 
-def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, walk: _Walk | None,
-                       block_hashes: Sequence, hit: int, alignment: int):
+def _group_blocks(plan: _GroupPlan, walk: _Walk | None, block_hashes: Sequence, hit: int):
     """The blocks of one of vLLM's spec groups for a hit of ``hit`` tokens, from vLLM's finder.
 
     Full attention is downward-closed: its walk's blocks are cut to ``cdiv(hit, block)``, as vLLM's Hybrid
@@ -723,43 +702,38 @@ def _spec_group_blocks(coordinator: KVCacheCoordinator, spec_group, walk: _Walk 
     the cap), the group's whole cached prefix within the hashes is looked up instead. Other kinds are
     looked up at ``hit`` without the drop (a verified EAGLE group in vLLM's loop is too) and must land on it.
     """
-    spec, group_ids, manager_cls, _ = spec_group
     if walk is not None:
         blocks, found = walk.blocks, walk.found
         if found < hit:
-            reach = len(block_hashes) * coordinator.block_pool.hash_block_size
-            blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, reach, False,
-                                    min(alignment, walk.block))
+            blocks, found = plan.find(block_hashes, len(block_hashes) * plan.block_pool.hash_block_size,
+                                      plan.unit)
         if found < hit:
-            raise _Inconsistent(f"full-attention groups {group_ids} serve {found} < reference hit {hit}")
-        keep = cdiv(hit, walk.block)
+            raise _Inconsistent(f"full-attention groups {plan.group_ids} serve {found} < reference hit {hit}")
+        keep = cdiv(hit, plan.block)
         for group_blocks in blocks:
             del group_blocks[keep:]
         return blocks
-    blocks, found = _lookup(coordinator, spec, group_ids, manager_cls, block_hashes, hit, False, alignment)
+    blocks, found = plan.find(block_hashes, hit, plan.unit)
     if found != hit:
-        raise _Inconsistent(f"{type(spec).__name__} groups {group_ids}: vLLM's finder at {hit} returns "
-                            f"{found}")
+        raise _Inconsistent(f"{type(plan.spec).__name__} groups {plan.group_ids}: vLLM's finder at {hit} "
+                            f"returns {found}")
     return blocks
 
 
 def _walks(model: CoordinatorModel, block_hashes: Sequence, max_cache_hit_length: int) -> list[_Walk | None]:
     """Per vLLM spec group, its :func:`_walk_full_attention` (None for other kinds)."""
-    return [None if plan is None else _walk_full_attention(plan, block_hashes, max_cache_hit_length)
-            for plan in model.walk_plans]
+    return [_walk_full_attention(plan, block_hashes, max_cache_hit_length) if plan.full else None
+            for plan in model.plans]
 
 
 def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
                  max_cache_hit_length: int):
     """``find_longest_cache_hit`` under the reference policy: ``(blocks per group, hit, num_uncached)``."""
-    n_tokens = _n_tokens(model, block_hashes, max_cache_hit_length)
-    spec_groups, alignment = _spec_groups(coordinator)
     walks = _walks(model, block_hashes, max_cache_hit_length)
-    hit, reach = model.hits.hit(coordinator, model, block_hashes, walks, n_tokens)
-    out: list[list] = [[] for _ in coordinator.single_type_managers]
-    for spec_group, walk in zip(spec_groups, walks):
-        blocks = _spec_group_blocks(coordinator, spec_group, walk, block_hashes, hit, alignment)
-        for gid, group_blocks in zip(spec_group[1], blocks):
+    hit, reach = _reference(coordinator, model, block_hashes, walks, max_cache_hit_length)
+    out: list = [None] * len(model.spec_group_of)  # every KV-cache group is in one of the plans
+    for plan, walk in zip(model.plans, walks):
+        for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit)):
             out[gid] = group_blocks
     if model.unitary or model.write is not None:
         # Unitary: one group, nothing lags it. The reference write side records no junction
@@ -770,7 +744,7 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
     # attention when there is any) beyond the hit as an uncached shared prefix; the write side pins that
     # junction for the lagging sparse groups. The spec may merge more KV-cache groups into that spec group
     # than vLLM does, so the first group is asked about with vLLM's members.
-    first = spec_groups[0][1]
+    first = model.plans[0].group_ids
     k = model.spec_group_of[first[0]]
     members = None
     if tuple(first) != model.members[k]:
@@ -787,7 +761,6 @@ def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: Coordi
                             block_hashes: Sequence, max_cache_hit_length: int):
     """``find_longest_cache_hit_per_group`` under the reference policy: each spec group's own reference
     hit (at most the cap and the hashes) and vLLM's blocks for it."""
-    spec_groups, alignment = _spec_groups(coordinator)
     walks = _walks(model, block_hashes, max_cache_hit_length)
     cache = pool_cache(coordinator, block_hashes, model, walks=walks)
     reach = len(block_hashes) * model.sizes.hash_block
@@ -795,10 +768,9 @@ def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: Coordi
     hits = [group_reference_hit(model, cache, k, bound, reach) for k in range(len(model.sizes.groups))]
     out_blocks: list[list] = [[] for _ in coordinator.single_type_managers]
     out_hits = [0] * len(coordinator.single_type_managers)
-    for spec_group, walk in zip(spec_groups, walks):
-        hit = hits[model.spec_group_of[spec_group[1][0]]]
-        blocks = _spec_group_blocks(coordinator, spec_group, walk, block_hashes, hit, alignment)
-        for gid, group_blocks in zip(spec_group[1], blocks):
+    for plan, walk in zip(model.plans, walks):
+        hit = hits[model.spec_group_of[plan.group_ids[0]]]
+        for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit)):
             out_blocks[gid] = group_blocks
             out_hits[gid] = hit
     return tuple(out_blocks), tuple(out_hits)
@@ -859,6 +831,9 @@ _mode = "off"
 # The scheduler's coordinators (built by KVCacheManager while kvhit was installed) -> their model, or
 # None when the layout is not modelled.
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+_UNSEEN = object()
 
 
 def _model_for(coordinator: KVCacheCoordinator) -> CoordinatorModel | None:
@@ -939,48 +914,52 @@ def write_status(model: CoordinatorModel | None, unmodelled: str | None = None) 
         log_once(logging.ERROR, "kvhit: cannot write %s=%s: %s", STATUS_FILE_ENV, path, e)
 
 
-def _find_longest_cache_hit(original: Callable, coordinator: KVCacheCoordinator, block_hashes: Sequence,
-                            max_cache_hit_length: int):
-    model = _model_for(coordinator)
-    if model is None:
-        return original(coordinator, block_hashes, max_cache_hit_length)
-    if _mode == "shadow":
-        result = original(coordinator, block_hashes, max_cache_hit_length)
+def _find_longest_cache_hit_seam(original: Callable, owner: str) -> Callable:
+    """``owner.find_longest_cache_hit`` under kvhit's mode: one function per coordinator class (a lookup
+    pays one Python call for the seam)."""
+
+    def find_longest_cache_hit(coordinator, block_hashes, max_cache_hit_length):
+        model = _models.get(coordinator, _UNSEEN)
+        if model is _UNSEEN:
+            model = _model_for(coordinator)
+        if model is None:
+            return original(coordinator, block_hashes, max_cache_hit_length)
+        if _mode == "shadow":
+            result = original(coordinator, block_hashes, max_cache_hit_length)
+            try:
+                reference, _ = reference_hit(coordinator, model, block_hashes, max_cache_hit_length)
+            except _Stock as e:
+                log_once(logging.INFO, "kvhit shadow: not compared: %s", e)
+                return result
+            except Exception as e:  # noqa: BLE001 - shadow mode never disturbs vLLM
+                _fallback_log(logging.ERROR, "kvhit shadow: reference hit failed on layout %s: %s: %s",
+                              model.label, type(e).__name__, e)
+                return result
+            stock = result[1]
+            if reference != stock:
+                direction = "reference_longer" if reference > stock else "reference_shorter"
+                HIT_DIVERGENCES.labels(model.label, direction).inc()
+                HIT_DIVERGENCE_TOKENS.labels(model.label, direction).inc(abs(reference - stock))
+                _divergence_log(logging.WARNING,
+                                "kvhit shadow: hit differs on layout %s: N=%d vLLM=%d reference=%d",
+                                model.label, max_cache_hit_length + 1, stock, reference)
+            return result
         try:
-            reference, _ = reference_hit(coordinator, model, block_hashes, max_cache_hit_length)
+            return enforced_hit(coordinator, model, block_hashes, max_cache_hit_length)
         except _Stock as e:
-            log_once(logging.INFO, "kvhit shadow: not compared: %s", e)
-            return result
-        except Exception as e:  # noqa: BLE001 - shadow mode never disturbs vLLM
-            _fallback_log(logging.ERROR, "kvhit shadow: reference hit failed on layout %s: %s: %s",
-                          model.label, type(e).__name__, e)
-            return result
-        stock = result[1]
-        if reference != stock:
-            direction = "reference_longer" if reference > stock else "reference_shorter"
-            HIT_DIVERGENCES.labels(model.label, direction).inc()
-            HIT_DIVERGENCE_TOKENS.labels(model.label, direction).inc(abs(reference - stock))
-            _divergence_log(logging.WARNING,
-                            "kvhit shadow: hit differs on layout %s: N=%d vLLM=%d reference=%d",
-                            model.label, max_cache_hit_length + 1, stock, reference)
-        return result
-    try:
-        return enforced_hit(coordinator, model, block_hashes, max_cache_hit_length)
-    except _Stock as e:
-        log_once(logging.INFO, "kvhit enforce: left to vLLM: %s", e)
-    except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down; counted and logged
-        _fall_back(model, e)
-    return original(coordinator, block_hashes, max_cache_hit_length)
+            log_once(logging.INFO, "kvhit enforce: left to vLLM: %s", e)
+        except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down; counted and logged
+            _fall_back(model, e)
+        return original(coordinator, block_hashes, max_cache_hit_length)
+
+    find_longest_cache_hit.__qualname__ = f"{owner}.find_longest_cache_hit"
+    find_longest_cache_hit.__doc__ = f"``{owner}.find_longest_cache_hit`` under kvhit's mode."
+    return find_longest_cache_hit
 
 
-def unitary_find_longest_cache_hit(self: UnitaryKVCacheCoordinator, block_hashes, max_cache_hit_length):
-    """``UnitaryKVCacheCoordinator.find_longest_cache_hit`` under kvhit's mode."""
-    return _find_longest_cache_hit(_ORIGINAL_UNITARY_FIND, self, block_hashes, max_cache_hit_length)
-
-
-def hybrid_find_longest_cache_hit(self: HybridKVCacheCoordinator, block_hashes, max_cache_hit_length):
-    """``HybridKVCacheCoordinator.find_longest_cache_hit`` under kvhit's mode."""
-    return _find_longest_cache_hit(_ORIGINAL_HYBRID_FIND, self, block_hashes, max_cache_hit_length)
+unitary_find_longest_cache_hit = _find_longest_cache_hit_seam(_ORIGINAL_UNITARY_FIND,
+                                                              "UnitaryKVCacheCoordinator")
+hybrid_find_longest_cache_hit = _find_longest_cache_hit_seam(_ORIGINAL_HYBRID_FIND, "HybridKVCacheCoordinator")
 
 
 def hybrid_find_longest_cache_hit_per_group(self: HybridKVCacheCoordinator, block_hashes,

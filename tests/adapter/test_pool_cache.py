@@ -4,8 +4,8 @@ asking the pool again (``v0_33.PoolCache``); it must answer every query as the p
 Two comparisons: the run arithmetic on a made-up pool, against ``refimpl.CacheState``'s loop over the
 same boundaries; and on vLLM's real block pool after request streams with eviction, a cache told the
 walks of vLLM's ``FullAttentionManager.find_longest_cache_hit`` against one that asks the pool for
-everything, query by query and hit by hit. The hits the enforced lookup memoises (``v0_33.HitMemo``) are
-compared with fresh ones as a made-up pool changes under them, and on the real pool after eviction.
+everything, query by query and hit by hit. The cache each lookup restarts (``CoordinatorModel.cache``)
+must forget the last lookup: its hits are compared with fresh ones as a made-up pool changes under it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def test_walked_run_answers_run_from_like_the_loop_over_the_pool(data, h, scale,
     n_blocks = n_hashes * h // block
     walked = data.draw(st.integers(0, n_blocks))
     run = truth.run_from(0, 0, block, walked)  # what the finder finds, looking at `walked` blocks
-    cache = v0_33.PoolCache(_Pool(cached), hashes, h, [[0]], {0: v0_33._Run(block, run, walked)})
+    walks = [v0_33._Walk([0], block, ([],), run * block, walked)]
+    cache = v0_33.PoolCache(_Pool(cached), h, [[0]], [(0, (0,))]).start(hashes, walks)
     truth = R.CacheState(truth.has)
     for _ in range(8):
         if data.draw(st.booleans()):
@@ -64,22 +65,26 @@ def test_walked_run_answers_run_from_like_the_loop_over_the_pool(data, h, scale,
 def _qwen3next_on(full_cached, mamba_cached):
     """A coordinator and model of Qwen3-Next-like full 1600 + Mamba 1600 (MTP 2, drop) whose pool holds
     block hash ``j`` for full attention when ``j in full_cached`` and for Mamba when ``j in mamba_cached``
-    (the sets as they are at each query), with an empty :class:`v0_33.HitMemo`."""
-    sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop", 2, True))
+    (the sets as they are at each query), with the staged reference hit and the cache lookups restart."""
+    layout, spec = refimpl_layout("qwen3next"), speculation("drop", 2, True)
+    sizes = R.derive_sizes(layout, spec)
     full, mamba = (sizes.groups[k].members for k in range(2))
     pool = SimpleNamespace(get_cached_block=lambda j, ids: (
         [j] * len(ids) if j in (full_cached if tuple(ids) == full else mamba_cached) else None))
-    model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=((0, (0,)),), hits=v0_33.HitMemo())
+    walked = ((0, (0,)),)
+    model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=walked,
+                            hit_tokens=v0_33.reference_hit_tokens(layout, spec),
+                            cache=v0_33.PoolCache(pool, sizes.hash_block, (full, mamba), walked))
     return SimpleNamespace(block_pool=pool), model
 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_memoised_hit_is_the_hit_of_the_pool_as_it_is_now(data):
+def test_restarted_cache_is_the_pool_as_it_is_now(data):
     """Qwen3-Next-like full 1600 + Mamba 1600 (MTP drop): lookups of a few prompt lengths while the pool
-    gains and loses full-attention blocks and Mamba states between them; every ``HitMemo.hit`` equals
-    ``refimpl.hit_tokens`` on a fresh cache of the pool as it is at that lookup, both when the memo's answer
-    is reused and when a changed state makes it recompute (:func:`test_memoised_hit_checks_both_paths`)."""
+    gains and loses full-attention blocks and Mamba states between them; every enforced reference hit
+    (the model's one cache restarted, the staged hit) equals ``refimpl.hit_tokens`` on a new cache of the
+    pool as it is at that lookup (:func:`test_restarted_cache_forgets_the_last_lookup`)."""
     n_hashes = 12
     full_cached = set(range(data.draw(st.integers(0, n_hashes))))  # a leading run of full-attention blocks
     mamba_cached = set(data.draw(st.lists(st.integers(0, n_hashes - 1), max_size=4)))
@@ -96,27 +101,25 @@ def test_memoised_hit_is_the_hit_of_the_pool_as_it_is_now(data):
         walked = min(n - 1 + sizes.groups[0].margin, len(hashes_n) * b) // b
         run = next(i for i in range(walked + 1) if i == walked or i not in full_cached)
         walks = [v0_33._Walk(list(full), b, ([],), run * b, walked), None]
-        got = model.hits.hit(coordinator, model, hashes_n, walks, n)
+        got = v0_33._reference(coordinator, model, hashes_n, walks, n - 1)
         fresh = v0_33.pool_cache(coordinator, hashes_n, model, walks=walks)
         want = R.hit_tokens(fresh, sizes, n, R.REFERENCE)[:2]
         assert got == want, (n, sorted(full_cached), sorted(mamba_cached), got, want)
 
 
-def test_memoised_hit_checks_both_paths():
-    """The property above sees a reused answer and a recomputed one for the same key: a stale Mamba state
-    changes the hit while the walk stays the same."""
+def test_restarted_cache_forgets_the_last_lookup():
+    """The property above can fail: the same lookup again after a Mamba state went is answered from the
+    pool as it is now, not from the answers the cache memoised during the last lookup."""
     mamba_cached = {4, 6}
     coordinator, model = _qwen3next_on(set(range(12)), mamba_cached)
     b, full = model.sizes.hash_block, model.members[0]
     n = 9 * b + 5
     walks = [v0_33._Walk(list(full), b, ([],), 9 * b, 9), None]
-    assert model.hits.hit(coordinator, model, list(range(9)), walks, n)[0] == 7 * b  # state 6 ends at 7b
-    entry = model.hits.entries[(n, ((9 * b, 9),))]
-    assert model.hits.hit(coordinator, model, list(range(9)), walks, n)[0] == 7 * b
-    assert model.hits.entries[(n, ((9 * b, 9),))] is entry  # reused
+    hashes = list(range(9))
+    assert v0_33._reference(coordinator, model, hashes, walks, n - 1)[0] == 7 * b  # state 6 ends at 7b
+    assert model.cache.asked[(1, 7 * b)] is True
     mamba_cached.discard(6)
-    assert model.hits.hit(coordinator, model, list(range(9)), walks, n)[0] == 5 * b  # state 4 ends at 5b
-    assert model.hits.entries[(n, ((9 * b, 9),))] is not entry  # recomputed
+    assert v0_33._reference(coordinator, model, hashes, walks, n - 1)[0] == 5 * b  # state 4 ends at 5b
 
 
 # (catalogue layout, DCP, speculative mode, speculative tokens): full-attention groups walked at block
@@ -164,19 +167,20 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
             walks = v0_33._walks(model, hashes, cap)
             walked = v0_33.pool_cache(coordinator, hashes, model, walks=walks)
             asked = v0_33.pool_cache(coordinator, hashes, model)
-            assert walked.runs and not asked.runs, "every catalogue layout but chunked has full attention"
-            for kk, run in walked.runs.items():
-                for limit in range(len(hashes) * model.sizes.hash_block // run.block + 2):
-                    got = walked.run_from(kk, 0, run.block, limit)
-                    want = asked.run_from(kk, 0, run.block, limit)
-                    assert got == want and walked.max_query == asked.max_query, (kk, run, limit, got, want)
+            assert walked.sources, "every catalogue layout but chunked has full attention"
+            for kk, indices in walked.sources.items():
+                block = walks[indices[0]].block
+                for limit in range(len(hashes) * model.sizes.hash_block // block + 2):
+                    got = walked.run_from(kk, 0, block, limit)
+                    want = asked.run_from(kk, 0, block, limit)
+                    assert got == want and walked.max_query == asked.max_query, (kk, block, limit, got, want)
                     checked += 1
             fresh = [v0_33.pool_cache(coordinator, hashes, model, walks=walks),
                      v0_33.pool_cache(coordinator, hashes, model)]
             hits = [R.hit_tokens(c, model.sizes, len(tokens), R.REFERENCE) for c in fresh]
             assert hits[0] == hits[1] and fresh[0].max_query == fresh[1].max_query, (len(tokens), hits)
-            memoised = model.hits.hit(coordinator, model, hashes, walks, len(tokens))
-            assert memoised == hits[1][:2], (len(tokens), memoised, hits)
+            enforced = v0_33._reference(coordinator, model, hashes, walks, cap)
+            assert enforced == hits[1][:2], (len(tokens), enforced, hits)
             reach = len(hashes) * model.sizes.hash_block
             for kk in range(len(model.sizes.groups)):
                 alone = [v0_33.group_reference_hit(model, c, kk, min(cap, reach), reach) for c in fresh]
