@@ -161,15 +161,15 @@ def staged_call(op, args: tuple) -> Any:
     name = op.name
     if name == "max_aligned":
         step, hi, pred = args
-        x = Code(f"x{next(_params)}")
-        x.bound = frozenset([x.fmt])
+        var = f"x{next(_params)}"
+        x = Code(var, bound=frozenset([var]))
         body = pred(x)
         if not isinstance(body, Code):  # a predicate the layout decides: True or False for every x
             body = bool(body)
-        fn = Code(f"(lambda {x.fmt}: {{0}})", (body,), lazy=frozenset([0]))
-        fn.bound = fn.bound - {x.fmt}
+        fn = Code(f"(lambda {var}: {{0}})", (body,), lazy=frozenset([0]))
+        fn.bound = fn.bound - {var}
         scan = Code(op.source, (step, _check_operand(hi), fn))
-        scan.scan = (x.fmt, body)
+        scan.scan = (var, body)
         return scan
     if name in ("and_", "or_"):
         a, b = args
