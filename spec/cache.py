@@ -9,7 +9,9 @@ are plain loops over the oracle.
 
 The write side describes what a request leaves behind as one :class:`Held` per spec group; the same
 description is read here by plain loops (:func:`written_cache`) and in Z3 by a decision procedure over
-its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`).
+its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`). What several requests leave is
+*layered*: per spec group a tuple of :class:`Held` layers, of which the cache holds the union
+(:func:`layers`).
 """
 
 from dataclasses import dataclass
@@ -152,7 +154,16 @@ def holds(g: Held, x):
     return x % g.block == 0
 
 
+def layers(group):
+    """The layers of a written spec group: a :class:`Held` is one layer, a tuple of them is several (what
+    several earlier prompts left, each clipped to what a later prompt shares with it)."""
+    if isinstance(group, Held):
+        return (group,)
+    return tuple(group)
+
+
 def written_cache(groups):
-    """A cache whose group ``k`` holds what ``groups[k]`` (a :class:`Held`) says."""
-    held = tuple(groups)
-    return CacheState(lambda k, x: holds(held[k], x))
+    """A cache whose group ``k`` holds what ``groups[k]`` says: a :class:`Held`, or a tuple of
+    :class:`Held` layers, of which it holds the union (a boundary is held when some layer holds it)."""
+    held = tuple(layers(g) for g in groups)
+    return CacheState(lambda k, x: any(holds(g, x) for g in held[k]))

@@ -22,8 +22,9 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .cache import live_gaps, scan_last_held
-from .terms import _LOWERING, SpecError, Term, _zv, and_, eq, is_symbolic, ite, max_, min_
+from .cache import layers, live_gaps, scan_last_held
+from .domain import Kind
+from .terms import _LOWERING, SpecError, Term, _zv, and_, cdiv, eq, is_symbolic, ite, max_, min_
 
 
 def _z3():
@@ -288,19 +289,31 @@ class SymbolicCache:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _key(p):
+    """What tells two positions apart when building terms: the integer, or the term's identity."""
+    return ("int", p) if isinstance(p, int) else (p.scale, p.e.get_id())
+
+
 def _distinct_positive(positions):
     """The positions that can be positive, each once (concrete sentinels and repeated terms dropped)."""
     out, seen = [], set()
     for p in positions:
-        if isinstance(p, int):
-            if p <= 0:
-                continue
-            key = ("int", p)
-        else:
-            key = (p.scale, p.e.get_id())
+        if isinstance(p, int) and p <= 0:
+            continue
+        key = _key(p)
         if key not in seen:
             seen.add(key)
             out.append(p)
+    return out
+
+
+def _max_all(values):
+    """The largest of ``values`` (at least one), each distinct one compared once."""
+    out, seen = None, set()
+    for v in values:
+        if _key(v) not in seen:
+            seen.add(_key(v))
+            out = v if out is None else max_(out, v)
     return out
 
 
@@ -314,20 +327,50 @@ class SymbolicWrittenCache:
     covered iff one tail covers it, or a tail ending inside it and a second one reaching past it overlap
     (two tails always suffice). Over the scan variable every such condition is an interval, periodic for
     periodic tails, so ``max_aligned`` keeps its closed form.
+
+    A group may be *layered* (a tuple of :class:`Held`, :func:`kvhit.spec.cache.layers`): it holds the union
+    of its layers. A group of one layer is read exactly as above. For several, full attention and Mamba are
+    the unions of the layers' intervals (each layer's blocks are a prefix, so a run is the longest prefix);
+    a sliding window is read from the *pieces* its layers' tails make, each cut at its own layer's extent
+    (:class:`_Pieces`), with covers by chains of at most ``L + 1`` pieces for ``L`` layers with tails:
+
+    *Why ``L + 1`` pieces suffice.* Take a cover of the window ``[s, e)`` with as few pieces as possible,
+    ordered by start. No two end at the same block (the one starting later would be redundant), so they
+    are ordered by end too. A piece other than the first and the last starts after ``s`` (else it covers
+    everything the pieces before it do) and ends before ``e`` (likewise for the pieces after it): it lies
+    strictly inside the window, so it is shorter than the window, hence shorter than a tail. A piece is
+    shorter than a tail only when it is cut at block 0 (it then starts at ``0 <= s``, so it cannot be one of
+    these middle pieces) or at its layer's extent ``E_i``; so the middle pieces end at distinct extents,
+    all before ``e``. The last piece ends at or past ``e`` and within its own layer's extent, so that extent
+    is not among them: at most ``L - 1`` middle pieces, ``L + 1`` in all (``L = 1``: today's two tails).
+
+    The encoding: for each possible first piece, the blocks it reaches through ``L - 1`` greedy steps over
+    the middle candidates (per layer its longest tail cut at its extent, and the periodic tail cut at the
+    periodic layers' extent) and one final step over every piece; the window ends it covers are then one
+    interval. Supported exactly: explicit tails, layers that keep every block, and periodic tails when the
+    periodic layers share their period, shift and tail (as layers of one layout and interval do), periods
+    multiples of the block and longer than a tail. Not supported (:class:`SpecError`): live gaps in a
+    sliding-window group of several layers, and periodic tails of differing shapes or that touch.
     """
 
     def __init__(self, groups):
-        self.groups = tuple(groups)
+        self.layers = tuple(layers(g) for g in groups)
+        for k, ls in enumerate(self.layers):
+            if not ls:
+                raise SpecError(f"spec group {k} has no layer")
+        # a layered group's readings, built once: k -> its _Pieces (sliding window), (k, unit, before, after)
+        # -> the window ends it covers
+        self._pieces, self._layered_ends = {}, {}
 
     # -- the sets of window ends that are covered ----------------------------------------------------
     def _intervals(self, k, unit, before, after):
         """Window ends ``x`` (multiples of ``unit``) whose blocks ``[x/unit - before, x/unit + after)`` are
         all held, as ``(lo, hi)`` or ``(lo, hi, period, phase)`` intervals of ``x``."""
-        g = self.groups[k]
-        from .domain import Kind
-
         if before == 0 and after == 0:
             return None  # an empty window: always held
+        if len(self.layers[k]) > 1:
+            return self._layered_intervals(k, unit, before, after)
+        g = self.layers[k][0]
         if g.kind is Kind.MAMBA:
             if before != 1 or after != 0 or unit != g.unit:
                 raise SpecError("a Mamba group is read one state at a time at its unit")
@@ -456,9 +499,9 @@ class SymbolicWrittenCache:
 
     def run_from(self, k, start, unit, limit):
         """Consecutive held blocks from block ``start``, stopping at block ``limit``."""
-        g = self.groups[k]
-        from .domain import Kind
-
+        if len(self.layers[k]) > 1:
+            return self._layered_run_from(k, start, unit, limit)
+        g = self.layers[k][0]
         if unit != g.block or g.kind is Kind.MAMBA:
             raise SpecError(f"run of unit {unit} over group {k}")
         if g.kind is not Kind.SWA:
@@ -494,3 +537,186 @@ class SymbolicWrittenCache:
         for lo, hi in live_gaps(g.gaps):
             reach = ite(and_(lo < hi, lo < reach), lo, reach)
         return reach
+
+    # -- layered groups: the union of several Held ---------------------------------------------------
+    def _layered(self, k):
+        """Spec group ``k``'s layers, checked to be readable together: one kind, block and unit, and no
+        sliding-window gaps."""
+        ls = self.layers[k]
+        g = ls[0]
+        if any((h.kind, h.block, h.unit) != (g.kind, g.block, g.unit) for h in ls):
+            raise SpecError(f"the layers of spec group {k} differ in kind, block or unit")
+        if g.kind is Kind.SWA and any(live_gaps(h.gaps) for h in ls):
+            raise SpecError(f"spec group {k}: gaps (Held.gaps) in a sliding-window group of several layers are "
+                            "not supported (a block one layer lost may be held by another)")
+        return ls
+
+    def _longest_chain(self, ls) -> int:
+        """Pieces a minimal cover of one window has at most: one more than the layers with tails (see the
+        class docstring)."""
+        return sum(1 for h in ls if not h.every) + 1
+
+    def _layered_intervals(self, k, unit, before, after):
+        """:meth:`_intervals` of a group of several layers: the window ends the union of the layers covers."""
+        key = (k, unit, before, after)
+        if key not in self._layered_ends:
+            self._layered_ends[key] = self._union_intervals(k, unit, before, after)
+        return self._layered_ends[key]
+
+    def _union_intervals(self, k, unit, before, after):
+        ls = self._layered(k)
+        g = ls[0]
+        if g.kind is Kind.MAMBA:
+            if before != 1 or after != 0 or unit != g.unit:
+                raise SpecError("a Mamba group is read one state at a time at its unit")
+            out = [(p, p) for p in _distinct_positive(p for h in ls for p in h.points)]
+            if any(h.every for h in ls):
+                out.append((unit, _max_all(h.extent for h in ls if h.every)))
+            for period in sorted({h.period for h in ls if not h.every and h.period > 0}):
+                out.append((period, _max_all(h.extent for h in ls if not h.every and h.period == period), period, 0))
+            return out
+        if g.kind is not Kind.SWA or all(h.every for h in ls):
+            # each layer holds every block up to its extent: the union is the longest of those prefixes
+            extent = _max_all(h.extent for h in ls)
+            if unit == g.block:
+                return [(unit, extent - after * unit)]
+            if g.kind is Kind.FULL and before == 1 and after == 0:
+                points = _distinct_positive(p for h in ls for p in h.points)
+                return [(g.block, extent, g.block, 0)] + [(p, p) for p in points]
+            raise SpecError(f"unsupported window of unit {unit} over group {k}")
+        if unit != g.block:
+            raise SpecError("a sliding-window group is read at its block")
+        return self._pieces_of(k).window_ends(before, after)
+
+    def _layered_run_from(self, k, start, unit, limit):
+        """:meth:`run_from` of a group of several layers."""
+        ls = self._layered(k)
+        g = ls[0]
+        if unit != g.block or g.kind is Kind.MAMBA:
+            raise SpecError(f"run of unit {unit} over group {k}")
+        if g.kind is not Kind.SWA or all(h.every for h in ls):
+            return max_(0, min_(_max_all(h.extent for h in ls) // unit, limit) - start)
+        if not (isinstance(start, int) and start == 0):
+            raise SpecError("a sliding-window run is read from block 0 only")
+        return max_(0, min_(self._pieces_of(k).run() // unit, limit))
+
+    def _pieces_of(self, k):
+        if k not in self._pieces:
+            self._pieces[k] = _Pieces(self.layers[k], k, self._longest_chain(self.layers[k]))
+        return self._pieces[k]
+
+
+class _Pieces:
+    """A sliding-window group of several layers as the pieces of held blocks its layers' tails make, in
+    tokens ``[lo, hi)`` (``lo`` may be negative: blocks from 0): an explicit tail ending at ``t`` is
+    ``[t - need*b, min(t, E))``, cut at the largest extent ``E`` among the layers that keep it; a layer
+    that keeps every block is ``[0, E)``; periodic tails are cut at the periodic layers' largest extent.
+    Positions are multiples of the block, as the write side makes them.
+    """
+
+    def __init__(self, ls, k, longest: int):
+        self.longest = longest
+        self._chains = None
+        b = ls[0].block
+        self.block = b
+        self.tails = [h for h in ls if not h.every]
+        dense = [h.extent for h in ls if h.every]
+        self.dense = _max_all(dense) if dense else None
+        by_end = {}
+        for h in self.tails:
+            for t in _distinct_positive(h.ends):
+                by_end.setdefault((_key(t), h.need), (t, h.need, []))[2].append(h.extent)
+        self.explicit = [(t - need * b, min_(t, _max_all(extents))) for t, need, extents in by_end.values()]
+        # the middle candidates: per layer, the longest of its tails cut at its extent
+        self.middles = []
+        for h in self.tails:
+            ends = _distinct_positive(h.ends)
+            if ends:
+                lo = h.extent
+                for t in ends:
+                    lo = ite(and_(t > h.extent, t - h.need * b < lo), t - h.need * b, lo)
+                self.middles.append((lo, h.extent))
+        self.period = 0
+        periodic = [h for h in self.tails if h.period > 0]
+        if periodic:
+            shapes = {(h.period, h.shift, h.need) for h in periodic}
+            if len(shapes) > 1:
+                raise SpecError(f"spec group {k}: layers with periodic tails of different periods, shifts or "
+                                "tails are not supported")
+            ((period, shift, need),) = shapes
+            if period % b or period <= need * b:
+                raise SpecError(f"spec group {k}: periodic tails every {period} tokens of {need} blocks of {b} "
+                                "(a period not a multiple of the block, or tails that touch) are not supported "
+                                "in several layers")
+            self.period, self.base, self.tail, self.need = period, shift * b, need * b, need
+            self.first = self.base + period  # the first periodic tail end
+            self.top = _max_all(h.extent for h in periodic)
+
+    def periodic_reaching(self, reach):
+        """The periodic tail ending last among those starting at or before ``reach``: ``(hi, exists)``."""
+        q = self.base + (reach + self.tail - self.base) // self.period * self.period
+        return min_(q, self.top), q >= self.first
+
+    def periodic_from(self, lo):
+        """The periodic tail ending first at or after ``lo``: ``(lo, hi, exists)``."""
+        q = self.base + cdiv(lo - self.base, self.period) * self.period
+        return q - self.tail, min_(q, self.top), q >= self.first
+
+    def extend(self, reach, pieces):
+        """``reach`` extended by the piece ending last among ``pieces`` and the periodic tails that start
+        at or before it (one greedy step of a chain)."""
+        out = reach
+        for lo, hi in pieces:
+            out = ite(and_(lo <= reach, hi > out), hi, out)
+        if self.period:
+            hi, ok = self.periodic_reaching(reach)
+            out = ite(and_(ok, hi > out), hi, out)
+        return out
+
+    def run(self):
+        """Where the run of held blocks from block 0 ends: greedy steps until no piece extends it. Each
+        step that moves it uses an explicit piece for good or a periodic tail, and two periodic tails
+        never touch, so ``2n + 1`` steps (``n`` without periodic tails) reach the end."""
+        reach = 0 if self.dense is None else self.dense
+        n = len(self.explicit)
+        for _ in range(2 * n + 1 if self.period else n):
+            reach = self.extend(reach, self.explicit)
+        return reach
+
+    def chains(self):
+        """Per possible first piece ``(lo, reach, exists)``: where the chains of at most ``longest`` pieces
+        from it reach (the same for every window, so built once)."""
+        if self._chains is None:
+            firsts = [(lo, hi, True) for lo, hi in self.explicit]
+            if self.dense is not None:
+                firsts.append((0, self.dense, True))
+            if self.period:
+                # a periodic first piece is followed by an explicit one, which starts inside it: the periodic
+                # tail ending first at or after that start (the only one, as tails are shorter than the period)
+                firsts += [self.periodic_from(lo) for lo, _ in self.explicit]
+            steps = self.longest - 2 if (self.middles or self.period) else 0
+            self._chains = []
+            for lo, hi, ok in firsts:
+                reach = hi
+                for _ in range(steps):
+                    reach = self.extend(reach, self.middles)
+                self._chains.append((lo, self.extend(reach, self.explicit), ok))
+        return self._chains
+
+    def window_ends(self, before, after):
+        """The window ends ``x`` whose blocks ``[x/b - before, x/b + after)`` the pieces cover, as
+        intervals: a single periodic tail covering it (as for one layer), or a chain from a first piece
+        that starts at or before the window's first block ``max(0, x/b - before)`` and reaches past its last."""
+        b = self.block
+        bb, ab = before * b, after * b
+        for h in self.tails:
+            if before + after > h.need:
+                raise SpecError(f"a window of {before + after} blocks is longer than the kept tails ({h.need})")
+        out = []
+        if self.period:
+            for delta in range(after, self.need - before + 1):  # x = a periodic end - delta blocks
+                out.append((max(bb, self.first - delta * b), self.top - ab, self.period,
+                            (self.base - delta * b) % self.period))
+        for lo, reach, ok in self.chains():
+            out.append((ite(lo <= 0, 0, lo + bb), ite(ok, reach - ab, -1)))
+        return out

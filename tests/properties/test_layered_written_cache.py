@@ -1,0 +1,281 @@
+"""Layered written caches: per spec group a tuple of Held layers (what several earlier prompts left, each
+clipped to what a later prompt shares with it), holding their union. With every position a Z3 variable
+fixed to an integer, the decision procedure (``SymbolicWrittenCache``) answers each query and each hit
+the plain loops (``spec.cache.written_cache``, and the generated ``refimpl.written_cache``) answer; a
+reading whose sliding-window covers stop at two pieces is shown wrong."""
+
+from dataclasses import replace
+
+import pytest
+import z3
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvhit import refimpl
+from kvhit.proofs.model import SPEC
+from kvhit.spec.cache import Held, written_cache
+from kvhit.spec.domain import Kind
+from kvhit.spec.lower_z3 import SymbolicWrittenCache, fresh_int, lowering
+from kvhit.spec.sizes import derive_sizes as spec_derive_sizes
+from kvhit.spec.terms import SpecError, Term, _zv, ite, min_
+
+from .convert import to_spec
+from .test_write_side import _fixed, write_settings
+
+
+class TwoPieceChains(SymbolicWrittenCache):
+    """Known bad: a sliding-window window is covered only by chains of at most two pieces (what suffices
+    for one layer), so a window that needs a middle piece cut at another layer's extent is missed."""
+
+    def _longest_chain(self, ls) -> int:
+        return 2
+
+
+def _symbolic(held, constraints):
+    """``held`` with its extent, points and ends as fresh Z3 variables, each fixed (in ``constraints``) to
+    its value: the terms the decision procedure builds cannot fold the integers away."""
+
+    def var(v):
+        t = fresh_int("pos")
+        constraints.append(t.z == v)
+        return t
+
+    return replace(held, extent=var(held.extent), points=tuple(var(p) for p in held.points),
+                   ends=tuple(var(t) for t in held.ends))
+
+
+def _clip(held, shared):
+    """What a later prompt sharing ``shared`` tokens with the prompt that left ``held`` can read of it:
+    no block past ``shared``, no single boundary past it."""
+    return replace(held, extent=min_(held.extent, shared), points=tuple(ite(p <= shared, p, -1) for p in held.points))
+
+
+def _windows(g):
+    """The ``(unit, before, after)`` windows a random layered group is asked for: every window length a
+    sliding window's tails can cover, single boundaries otherwise."""
+    if g.kind is Kind.SWA:
+        return [(g.block, before, after) for before in range(g.need + 1) for after in (0, 1)
+                if 0 < before + after <= g.need]  # the read side's own, (need, 0) and (need - 1, 1), last
+    if g.kind is Kind.MAMBA:
+        return [(g.unit, 1, 0)]
+    return [(g.block, 1, 0), (g.block, 3, 1)] + ([(g.unit, 1, 0)] if g.unit != g.block else [])
+
+
+def _ask(cache, k, windows, ends, runs, scans):
+    """Every query of spec group ``k``: each window ``(unit, before, after)`` at a symbolic end, to be read
+    at each of ``ends``; each run ``(start, unit, limit)``; each scan ``(step, lo, hi, unit, before,
+    after)`` of ``last_held``."""
+    x = fresh_int("x")
+    out = [(("window", k, x, w, ends), cache.window(k, x, *w)) for w in windows]
+    out += [(("run", k, start, unit, limit), cache.run_from(k, start, unit, limit)) for start, unit, limit in runs]
+    out += [(("last", k, *scan), cache.last_held(k, *scan)) for scan in scans]
+    return out
+
+
+def _check(asked, loops, value, context):
+    """Each answer of :func:`_ask` equals the plain loops' once ``value`` fixes the positions: a window's
+    at each of its ends from its first block on (the read side asks for none before)."""
+    for query, answer in asked:
+        if query[0] == "window":
+            _, k, x, (unit, before, after), ends = query
+            for end in ends:
+                if end >= unit:
+                    at = answer if isinstance(answer, bool) else Term(z3.substitute(_zv(answer), (x.z, z3.IntVal(end))))
+                    assert value(at) == loops.window(k, end, unit, before, after), (query, end, context)
+            continue
+        fixed = tuple(q if isinstance(q, str | int) else value(q) for q in query)  # a scan's top, a run's limit
+        want = loops.run_from(*fixed[1:]) if fixed[0] == "run" else loops.last_held(*fixed[1:])
+        assert value(answer) == want, (fixed, context)
+
+
+@st.composite
+def layered_groups(draw):
+    """One spec group of 1-3 hand-made layers sharing kind, block, unit and tail shape (as layers of one
+    layout do), with arbitrary extents, ends and points: out-of-order and overlapping tails, absent ones
+    (-1), tails cut at an extent, layers that keep every block mixed with ones that keep tails, periodic
+    tails. Positions are multiples of the block (of the unit for Mamba states), as the write side makes
+    them; full attention's points lie inside a block (partial tails)."""
+    kind = draw(st.sampled_from([Kind.SWA, Kind.SWA, Kind.FULL, Kind.MAMBA]))
+    block = draw(st.sampled_from([4, 8, 16]))
+    unit = block if kind is Kind.SWA else draw(st.sampled_from([block, block // 2]))
+    need = draw(st.integers(1, 5))
+    shift = draw(st.integers(0, 1))
+    period = 0
+    if kind is Kind.SWA:
+        period = draw(st.sampled_from([0, 0, (need + 1) * block, (need + 3) * block]))
+    elif kind is Kind.MAMBA:
+        period = draw(st.sampled_from([0, 2 * unit, 3 * unit]))
+    span = st.integers(0, 30)
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        every = draw(st.sampled_from([False, False, False, True])) if kind is not Kind.FULL else True
+        ends = points = ()
+        if kind is Kind.SWA:
+            ends = tuple(draw(st.lists(st.integers(-1, 34).map(lambda j: -1 if j < 0 else j * block), max_size=4)))
+        elif kind is Kind.MAMBA:
+            points = tuple(draw(st.lists(span.map(lambda j: j * unit), max_size=3)))
+        else:
+            inside = st.builds(lambda j, r: j * block + r, st.integers(0, 29), st.integers(1, block - 1))
+            points = tuple(draw(st.lists(inside, max_size=2)))
+        scale = unit if kind is Kind.MAMBA else block
+        layer_period = draw(st.sampled_from([0, period])) if kind is Kind.SWA else period
+        out.append(Held(kind, block, unit, draw(span) * scale, every, points, ends, need, shift, layer_period))
+    return tuple(out)
+
+
+@st.composite
+def middle_piece_groups(draw):
+    """A sliding-window group of 2-3 layers where a window of ``need`` blocks ``[s, s + need)`` is covered
+    only by a chain through middle pieces (uniform draws rarely make one): layer 0 keeps a tail reaching
+    into the window and one reaching past it that do not touch; each other layer keeps a tail cut at its
+    extent inside the window, the cut tails bridging the two; plus a few tails anywhere (in blocks)."""
+    block = draw(st.sampled_from([4, 8, 16]))
+    middles = draw(st.integers(1, 2))
+    need = draw(st.integers(middles + 2, 6))
+    s = draw(st.integers(0, 8))
+    e = s + need
+    cuts = sorted(draw(st.lists(st.integers(s + 2, e - 1), min_size=middles, max_size=middles, unique=True)))
+    first = draw(st.integers(s + 1, cuts[0] - 1))  # layer 0's tail reaching into the window ends here
+    lo, previous, layers = s, first, []
+    for cut in cuts:  # each cut tail starts inside the window, after the last one, where the chain has got to
+        lo = draw(st.integers(lo + 1, min(previous, cut - 1)))
+        layers.append((cut, (lo + need,)))
+        previous = cut
+    last = draw(st.integers(max(first + 1, e - need), cuts[-1])) + need  # layer 0's tail reaching past it
+    layers.insert(0, (draw(st.integers(last, last + 6)), (first, last)))
+    out = []
+    for extent, ends in layers:
+        extra = tuple(draw(st.lists(st.integers(-1, e + 8), max_size=2)))
+        ends = tuple(draw(st.permutations(ends + extra)))
+        out.append(Held(Kind.SWA, block, block, extent * block, False, (),
+                        tuple(-1 if t < 0 else t * block for t in ends), need))
+    return tuple(draw(st.permutations(out)))
+
+
+# Which reader the random comparisons use; a one-off run with TwoPieceChains here shows them failing.
+READER = SymbolicWrittenCache
+
+
+@settings(max_examples=250, deadline=None)
+@given(group=layered_groups() | middle_piece_groups(), data=st.data())
+def test_layered_written_cache_matches_plain_loops(group, data):
+    """On a hand-made layered group: the read side's two windows and one more of any length, at every end
+    up to past the extents; runs; and ``last_held`` scans over those windows (the closed form over the
+    scan variable, with a symbolic top)."""
+    g = group[0]
+    event(f"{g.kind.value}, {len(group)} layer(s)")
+    with lowering():
+        top = fresh_int("top")
+        constraints = [top.z == data.draw(st.integers(0, 40), label="top") * g.unit]
+        cache = READER((tuple(_symbolic(h, constraints) for h in group),))
+        ends = list(range(g.unit, 36 * g.block, g.unit)) + [g.unit * 5 + 1]
+        runs = [(0, g.block, 40)] if g.kind is not Kind.MAMBA else []
+        if g.kind is Kind.FULL:
+            runs += [(3, g.block, 40), (1, g.block, top // g.block)]
+        windows = _windows(g)
+        windows = windows[-2:] + [data.draw(st.sampled_from(windows), label="another window")]
+        scans = [(times * unit, data.draw(st.sampled_from([0, 2 * g.block]), label="lo"), top, unit, before, after)
+                 for unit, before, after in windows for times in (1, 3)]
+        asked = _ask(cache, 0, windows, ends, runs, scans)
+    _check(asked, written_cache((group,)), _fixed(constraints), group)
+
+
+def _layer_settings():
+    return write_settings().filter(lambda s: not any(refimpl.gaps_possible(s[2], k)
+                                                     for k in range(len(s[2].groups))))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(setting=_layer_settings(), data=st.data())
+def test_layered_hits_and_reads_match_plain_loops(setting, data):
+    """What 1-3 earlier prompts of different lengths leave (``request_writes``), each clipped at a shared
+    length, layered per spec group: Z3 on symbolic prompts and shared lengths, then fixed, gives the hits of
+    a later prompt under the reference and vllm_0_33 rules, and every window, run and ``last_held`` scan the
+    read side makes, as the spec's plain loops and refimpl's do. (Layouts whose sliding window can lose
+    blocks before caching them are left out: several layers with gaps are refused.)"""
+    layout, speculation, sizes, interval = setting
+    spec_layout, spec_speculation = to_spec(layout, speculation)
+    ssizes = spec_derive_sizes(spec_layout, spec_speculation)
+    a = ssizes.alignment
+    count = data.draw(st.integers(1, 3), label="layers")
+    prompts = [data.draw(st.integers(1, 1200), label="N") for _ in range(count)]
+    shared = [data.draw(st.integers(0, n + a) | st.just(n), label="shared") for n in prompts]
+    later = data.draw(st.integers(1, 1500), label="later prompt")
+    for policy in ("reference", "vllm_0_33"):
+        rules = SPEC.ALL_POLICIES[policy]
+        with lowering():
+            n_vars, c_vars, later_var = [fresh_int("N") for _ in prompts], [fresh_int("c") for _ in prompts], fresh_int("M")
+            writes = [SPEC.request_writes(ssizes, n, interval, rules) for n in n_vars]
+            groups = tuple(tuple(_clip(w[k], c) for w, c in zip(writes, c_vars)) for k in range(len(ssizes.groups)))
+            cache = SymbolicWrittenCache(groups)
+            hit = SPEC.hit_tokens(cache, ssizes, later_var, rules)
+            asked = []
+            for k, sg in enumerate(ssizes.groups):
+                b = sg.block
+                if sg.kind is Kind.SWA:
+                    need = -(-(sg.window - 1) // b)
+                    windows = [(b, need, after) for after in ((0, 1) if sg.drops else (0,))]
+                    scans = [(a, need * b - 1, later_var // b * b, *w) for w in windows]
+                    runs = [(0, b, later // b)]
+                elif sg.kind is Kind.MAMBA:
+                    windows = [(a if sg.fine else b, 1, 0)]
+                    scans = [(a, 0, later_var // windows[0][0] * windows[0][0], *windows[0])]
+                    runs = []
+                else:
+                    windows = [(a, 1, 0)] if sg.fine else []
+                    scans = [(a, b, later_var // a * a, a, 1, 0)] if sg.fine else []
+                    runs = [(0, b, later // b)]
+                ends = range(windows[0][0], min(later + 1, 40 * b), windows[0][0]) if windows else ()
+                asked += _ask(cache, k, windows, ends, runs, scans)
+        fixed = [v.z == n for v, n in zip(n_vars, prompts)] + [v.z == c for v, c in zip(c_vars, shared)]
+        value = _fixed(fixed + [later_var.z == later])
+
+        concrete = [SPEC.request_writes(ssizes, n, interval, rules) for n in prompts]
+        layered = tuple(tuple(_clip(w[k], c) for w, c in zip(concrete, shared)) for k in range(len(ssizes.groups)))
+        loops = written_cache(layered)
+        _check(asked, loops, value, (policy, layered))
+        want = SPEC.hit_tokens(loops, ssizes, later, rules)
+        rwrites = [refimpl.request_writes(sizes, n, interval, refimpl.ALL_POLICIES[policy]) for n in prompts]
+        rlayered = tuple(tuple(_clip(w[k], c) for w, c in zip(rwrites, shared)) for k in range(len(sizes.groups)))
+        assert refimpl.hit_tokens(refimpl.written_cache(rlayered), sizes, later, refimpl.ALL_POLICIES[policy]) == want
+        if value(hit[3]):  # vLLM's loop converged within the unrolled passes
+            assert tuple(value(v) for v in hit[:3]) == want[:3], (policy, layered)
+
+
+def _three_pieces(constraints):
+    """Two layers of a sliding window of 4-block tails (blocks of 16): layer A keeps the tail ending at
+    block 10 but its prompt was shared only up to block 8, so it holds blocks 6-7; layer B holds blocks
+    3-6 and 8-11. The window of blocks 5-8 (ending at token 144) is covered only by B's first tail, A's cut
+    tail and B's second: three pieces."""
+    b = 16
+    a = Held(Kind.SWA, b, b, 8 * b, False, (), (10 * b,), 4)
+    other = Held(Kind.SWA, b, b, 20 * b, False, (), (12 * b, 7 * b), 4)
+    return ((a, other),), ((_symbolic(a, constraints), _symbolic(other, constraints)),)
+
+
+def test_a_window_needs_a_middle_piece_that_two_piece_chains_miss():
+    """The window ending at 144 and the scan down from 144: the loops and the exact reading find 144;
+    chains of two pieces miss it and scan down to 128 (blocks 4-7: B's first tail and A's cut one)."""
+    with lowering():
+        top = fresh_int("top")
+        constraints = [top.z == 144]
+        concrete, symbolic = _three_pieces(constraints)
+        right, wrong = SymbolicWrittenCache(symbolic), TwoPieceChains(symbolic)
+        answers = [(c.window(0, 144, 16, 4, 0), c.last_held(0, 16, 0, top, 16, 4, 0)) for c in (right, wrong)]
+    value = _fixed(constraints)
+    loops = written_cache(concrete)
+    assert (loops.window(0, 144, 16, 4, 0), loops.last_held(0, 16, 0, 144, 16, 4, 0)) == (True, 144)
+    assert [(value(w), value(last)) for w, last in answers] == [(True, 144), (False, 128)]
+
+
+def test_layered_sliding_windows_refuse_gaps_and_unlike_periodic_tails():
+    b = 16
+    plain = Held(Kind.SWA, b, b, 20 * b, False, (), (12 * b,), 4)
+    with lowering():
+        gapped = replace(plain, gaps=((fresh_int("lo"), fresh_int("hi")),))
+        cases = {"gaps": (gapped, plain), "different periods": (replace(plain, period=6 * b), replace(plain, period=7 * b)),
+                 "tails that touch": (replace(plain, period=4 * b), plain)}
+        for words, group in cases.items():
+            with pytest.raises(SpecError, match=words):
+                SymbolicWrittenCache((group,)).window(0, fresh_int("x"), b, 4, 0)
+        SymbolicWrittenCache((gapped,)).window(0, fresh_int("x"), b, 4, 0)  # one layer: today's reading
