@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 5bc6a0afe4b295ec9c7bba9a30afea533f20d9f37baa45b6de36516141ac7fdc
-output-sha256: 70cbd4027a8080ac787e239ad95ab8555f20373d4232af05f9c00d44313147c4
+spec-sha256: d6028e28063bb046ad7c9e3cc1e3691d696b78babbff5b4a2360369249e4b7fa
+output-sha256: d821509d2806fad3786eaf3f11e73c6633d98b433ad861ad3a5a7e329e2e3a61
 """
 
 import itertools
@@ -390,7 +390,9 @@ def align(sizes: Sizes, x):
 #
 # The write side describes what a request leaves behind as one :class:`Held` per spec group; the same
 # description is read here by plain loops (:func:`written_cache`) and in Z3 by a decision procedure over
-# its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`).
+# its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`). What several requests leave is
+# *layered*: per spec group a tuple of :class:`Held` layers, of which the cache holds the union
+# (:func:`layers`).
 # --------------------------------------------------------------------------------------------------
 
 class CacheState:
@@ -520,10 +522,18 @@ def holds(g: Held, x):
         return x % g.unit == 0 and (g.every or (g.period > 0 and x % g.period == 0))
     return x % g.block == 0
 
+def layers(group):
+    """The layers of a written spec group: a :class:`Held` is one layer, a tuple of them is several (what
+    several earlier prompts left, each clipped to what a later prompt shares with it)."""
+    if isinstance(group, Held):
+        return (group,)
+    return tuple(group)
+
 def written_cache(groups):
-    """A cache whose group ``k`` holds what ``groups[k]`` (a :class:`Held`) says."""
-    held = tuple(groups)
-    return CacheState(lambda k, x: holds(held[k], x))
+    """A cache whose group ``k`` holds what ``groups[k]`` says: a :class:`Held`, or a tuple of
+    :class:`Held` layers, of which it holds the union (a boundary is held when some layer holds it)."""
+    held = tuple((layers(g) for g in groups))
+    return CacheState(lambda k, x: any((holds(g, x) for g in held[k])))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -566,6 +576,8 @@ class Rules:
         sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
         junction: where a request records its shared-prefix junction: ``"uncached"`` (vLLM ``hit +
             num_uncached``) or ``"next_block"`` (one scheduler block past the hit).
+        record_junction: the declarative hit reports the shared prefix beyond it
+            (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
     """
     name: str
     declarative: bool = False
@@ -580,6 +592,7 @@ class Rules:
     checkpoint_drop: bool = True
     sparse_zero: bool = True
     junction: str = 'uncached'
+    record_junction: bool = True
 REFERENCE = Rules('reference', declarative=True, replay='resume')
 VLLM_0_33 = Rules('vllm_0_33')
 HISTORICAL = Rules('historical', eagle_margin=False, replay='prompt_end', checkpoint_drop=False)
@@ -592,8 +605,9 @@ DCP_SCALES_REPLICATED = replace(REFERENCE, name='dcp_scales_replicated', scale_r
 RETAIN_PROMPT_END = replace(REFERENCE, name='retain_prompt_end', replay='prompt_end')
 RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name='retain_every_boundary', sparse_zero=False)
 JUNCTION_PAST_HIT = replace(HISTORICAL, name='junction_past_hit', junction='next_block')
+WITHOUT_JUNCTION = replace(REFERENCE, name='without_junction', record_junction=False)
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
-KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT)}
+KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
 
 def max_cache_hit_length(n_tokens, rules: Rules):
@@ -840,15 +854,51 @@ def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
             top = min(top, extents[k])
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
 
+def prefix_groups(sizes: Sizes) -> tuple:
+    """The spec groups whose cache says how far a prompt is shared with what was cached before it: the
+    full-attention groups (they keep every block, so their cached prefix is the shared prefix), or, in a
+    layout without one, the first spec group (the one vLLM's loop looks up first)."""
+    full = tuple((k for k, sg in enumerate(sizes.groups) if sg.kind is Kind.FULL))
+    return full or (0,)
+
+def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+    """How far the request shares a servable prefix with the cache: the longest multiple of ``A`` at most
+    ``bound`` that every group of :func:`prefix_groups` serves (0 if none), whatever the other groups
+    hold.
+
+    When it passes the hit, the groups that lag (sliding window, Mamba: they keep state only at some
+    boundaries) are what stops the hit there, and the request records it as its shared-prefix junction
+    (vLLM ``num_uncached_common_prefix_tokens``, :func:`kvhit.spec.retention.junction_of`): its write side
+    keeps the lagging groups' state at the junction, so the next prompt sharing that prefix hits it (a
+    shared system prompt served to diverging requests). vLLM's loop gets the same from its first lookup's
+    candidate.
+    """
+    top = bound
+    members = prefix_groups(sizes)
+    for k in members:
+        if sizes.groups[k].kind is Kind.FULL:
+            top = min(top, extents[k])
+
+    def serves(x):
+        ok = True
+        for k in members:
+            ok = ok and group_serves(cache, sizes, k, x, extents[k], reach, rules)
+        return ok
+    return max_aligned(sizes.alignment, top, serves)
+
 def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """kvhit's reference policy: the longest hit that every group can serve, a multiple of ``A``, at most
     ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
-    unit past it (see :func:`group_serves` and :func:`reference_pass`)."""
+    unit past it (see :func:`group_serves` and :func:`reference_pass`). ``longest`` is the shared prefix
+    (:func:`shared_prefix_tokens`) where the layout has groups that lag it; one group lags nothing (vLLM's
+    Unitary coordinator reports no uncached prefix either)."""
     reach = num_hashes(sizes, n_tokens) * sizes.hash_block
     cap = min(max_cache_hit_length(n_tokens, rules), reach)
     extents = group_extents(cache, sizes, reach)
     hit = reference_pass(cache, sizes, cap, extents, reach, rules)
-    return (hit, reach, hit, True)
+    if sizes.unitary or not rules.record_junction:
+        return (hit, reach, hit, True)
+    return (hit, reach, max(hit, shared_prefix_tokens(cache, sizes, cap, extents, reach, rules)), True)
 
 def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """The hit of a request of ``n_tokens`` prompt tokens under ``rules``:
@@ -1040,14 +1090,18 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
 
     vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
-    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
+    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`,
+    and vLLM's boundaries too, so that it never keeps less than vLLM does: a prompt that diverges from this
+    one inside its last blocks resumes at vLLM's lower boundary (``reference_never_below_vllm``; DeepSeek-V4,
+    drop, ``R = 0``: a prompt sharing 20220 of a 45591-token prompt hits 16384 there).
     """
-    if rules.replay == 'resume':
-        return resume_points(sizes, n_tokens, rules, read)
-    if rules.replay == 'prompt_end' or not sizes.drop:
+    if rules.replay == 'prompt_end':
         return (n_tokens - 1,)
+    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == 'resume' else ()
+    if not sizes.drop:
+        return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
-    return (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
+    return ours + (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
 
 def junction_boundaries(sizes: Sizes, k, junction):
     """The junction, and for a dropping group one block below it (a sibling that diverges right after
@@ -1167,7 +1221,9 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     extent = group_extent(sizes, k, n_tokens)
     aligned = tuple((x // sizes.alignment * sizes.alignment for x in boundaries))
     if rules.replay == 'resume':
-        points = tuple((x if x > 0 and x <= extent else NO_JUNCTION for x in aligned))
+        if unit != b:
+            aligned += tuple((x // b * b for x in boundaries))
+        points = tuple((x if x > 0 and x > start and (x <= extent) else NO_JUNCTION for x in aligned))
         every = interval is None or (interval == 0 and (not rules.sparse_zero))
         period = interval if interval is not None and interval > 0 else 0
         return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
@@ -1246,6 +1302,22 @@ def junction_of(sizes: Sizes, hit, longest, rules: Rules):
     if rules.junction == 'next_block':
         return hit + sizes.scheduler_block
     return longest if longest > hit else NO_JUNCTION
+
+def clip(sizes: Sizes, g: Held, shared):
+    """What a later prompt that shares only the first ``shared`` tokens of ``g``'s prompt can read of it:
+    the boundaries up to ``shared - L`` (the hash of the block ending at ``x`` covers the ``L`` lookahead
+    tokens past it; a hash past them covers tokens the two prompts do not share)."""
+    top = shared - sizes.hash_lookahead
+    points = tuple((p if p <= top else NO_JUNCTION for p in g.points))
+    return Held(g.kind, g.block, g.unit, min(g.extent, top), g.every, points, g.ends, g.need, g.shift, g.period, g.gaps)
+
+def serve(sizes: Sizes, n_tokens, interval, rules: Rules, cache):
+    """A request with prompt ``N`` served on ``cache`` (what earlier prompts left, as it can read it):
+    ``(hit, reach, converged, junction, what it leaves)``: its lookup (:func:`hit_tokens`), the junction
+    it records and its write side."""
+    hit, reach, longest, converged = hit_tokens(cache, sizes, n_tokens, rules)
+    junction = junction_of(sizes, hit, longest, rules)
+    return (hit, reach, converged, junction, request_writes(sizes, n_tokens, interval, rules, hit, junction))
 
 def repeat(sizes: Sizes, n_tokens, interval, rules: Rules, groups):
     """One more request with the same prompt on the cache ``groups``: ``(hit, junction, groups after)``."""

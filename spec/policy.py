@@ -43,6 +43,8 @@ class Rules:
         sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
         junction: where a request records its shared-prefix junction: ``"uncached"`` (vLLM ``hit +
             num_uncached``) or ``"next_block"`` (one scheduler block past the hit).
+        record_junction: the declarative hit reports the shared prefix beyond it
+            (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Rules:
     checkpoint_drop: bool = True
     sparse_zero: bool = True
     junction: str = "uncached"
+    record_junction: bool = True
 
 
 REFERENCE = Rules("reference", declarative=True, replay="resume")
@@ -74,11 +77,14 @@ DCP_SCALES_REPLICATED = replace(REFERENCE, name="dcp_scales_replicated", scale_r
 RETAIN_PROMPT_END = replace(REFERENCE, name="retain_prompt_end", replay="prompt_end")
 RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name="retain_every_boundary", sparse_zero=False)
 JUNCTION_PAST_HIT = replace(HISTORICAL, name="junction_past_hit", junction="next_block")
+# The reference as it was before it recorded a junction: diverging prompts after a shared prefix lose
+# what vLLM's junction gives them (vLLM 0.33.0's own tests showed it).
+WITHOUT_JUNCTION = replace(REFERENCE, name="without_junction", record_junction=False)
 
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
                                  PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END,
-                                 RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT)}
+                                 RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
 
 
@@ -362,15 +368,54 @@ def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
 
 
+def prefix_groups(sizes: Sizes) -> tuple:
+    """The spec groups whose cache says how far a prompt is shared with what was cached before it: the
+    full-attention groups (they keep every block, so their cached prefix is the shared prefix), or, in a
+    layout without one, the first spec group (the one vLLM's loop looks up first)."""
+    full = tuple(k for k, sg in enumerate(sizes.groups) if sg.kind is Kind.FULL)
+    return full or (0,)
+
+
+def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+    """How far the request shares a servable prefix with the cache: the longest multiple of ``A`` at most
+    ``bound`` that every group of :func:`prefix_groups` serves (0 if none), whatever the other groups
+    hold.
+
+    When it passes the hit, the groups that lag (sliding window, Mamba: they keep state only at some
+    boundaries) are what stops the hit there, and the request records it as its shared-prefix junction
+    (vLLM ``num_uncached_common_prefix_tokens``, :func:`kvhit.spec.retention.junction_of`): its write side
+    keeps the lagging groups' state at the junction, so the next prompt sharing that prefix hits it (a
+    shared system prompt served to diverging requests). vLLM's loop gets the same from its first lookup's
+    candidate.
+    """
+    top = bound
+    members = prefix_groups(sizes)
+    for k in members:
+        if sizes.groups[k].kind is Kind.FULL:
+            top = min_(top, extents[k])
+
+    def serves(x):
+        ok = True
+        for k in members:
+            ok = and_(ok, group_serves(cache, sizes, k, x, extents[k], reach, rules))
+        return ok
+
+    return max_aligned(sizes.alignment, top, serves)
+
+
 def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """kvhit's reference policy: the longest hit that every group can serve, a multiple of ``A``, at most
     ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
-    unit past it (see :func:`group_serves` and :func:`reference_pass`)."""
+    unit past it (see :func:`group_serves` and :func:`reference_pass`). ``longest`` is the shared prefix
+    (:func:`shared_prefix_tokens`) where the layout has groups that lag it; one group lags nothing (vLLM's
+    Unitary coordinator reports no uncached prefix either)."""
     reach = num_hashes(sizes, n_tokens) * sizes.hash_block
     cap = min_(max_cache_hit_length(n_tokens, rules), reach)
     extents = group_extents(cache, sizes, reach)
     hit = reference_pass(cache, sizes, cap, extents, reach, rules)
-    return hit, reach, hit, True
+    if sizes.unitary or not rules.record_junction:
+        return hit, reach, hit, True
+    return hit, reach, max_(hit, shared_prefix_tokens(cache, sizes, cap, extents, reach, rules)), True
 
 
 def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):

@@ -206,14 +206,18 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
 
     vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
-    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
+    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`,
+    and vLLM's boundaries too, so that it never keeps less than vLLM does: a prompt that diverges from this
+    one inside its last blocks resumes at vLLM's lower boundary (``reference_never_below_vllm``; DeepSeek-V4,
+    drop, ``R = 0``: a prompt sharing 20220 of a 45591-token prompt hits 16384 there).
     """
-    if rules.replay == "resume":
-        return resume_points(sizes, n_tokens, rules, read)
-    if rules.replay == "prompt_end" or not sizes.drop:
+    if rules.replay == "prompt_end":
         return (n_tokens - 1,)
+    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == "resume" else ()
+    if not sizes.drop:
+        return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
-    return (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
+    return ours + (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
 
 
 def junction_boundaries(sizes: Sizes, k, junction):
@@ -344,7 +348,10 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     extent = group_extent(sizes, k, n_tokens)
     aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
     if rules.replay == "resume":  # one state per interval, each at a boundary the read side can use
-        points = tuple(ite(and_(x > 0, x <= extent), x, NO_JUNCTION) for x in aligned)
+        if unit != b:  # read at hash granularity: also the block's state vLLM's mask keeps at each boundary
+            aligned += tuple(floor_to(x, b) for x in boundaries)
+        # a state at or below the hit was an earlier request's: this one computes from its hit on
+        points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_JUNCTION) for x in aligned)
         every = interval is None or (interval == 0 and not rules.sparse_zero)
         period = interval if (interval is not None and interval > 0) else 0
         return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
@@ -436,6 +443,25 @@ def junction_of(sizes: Sizes, hit, longest, rules: Rules):
     if rules.junction == "next_block":
         return hit + sizes.scheduler_block
     return ite(longest > hit, longest, NO_JUNCTION)
+
+
+def clip(sizes: Sizes, g: Held, shared):
+    """What a later prompt that shares only the first ``shared`` tokens of ``g``'s prompt can read of it:
+    the boundaries up to ``shared - L`` (the hash of the block ending at ``x`` covers the ``L`` lookahead
+    tokens past it; a hash past them covers tokens the two prompts do not share)."""
+    top = shared - sizes.hash_lookahead
+    points = tuple(ite(p <= top, p, NO_JUNCTION) for p in g.points)
+    return Held(g.kind, g.block, g.unit, min_(g.extent, top), g.every, points, g.ends, g.need, g.shift,
+                g.period, g.gaps)
+
+
+def serve(sizes: Sizes, n_tokens, interval, rules: Rules, cache):
+    """A request with prompt ``N`` served on ``cache`` (what earlier prompts left, as it can read it):
+    ``(hit, reach, converged, junction, what it leaves)``: its lookup (:func:`hit_tokens`), the junction
+    it records and its write side."""
+    hit, reach, longest, converged = hit_tokens(cache, sizes, n_tokens, rules)
+    junction = junction_of(sizes, hit, longest, rules)
+    return hit, reach, converged, junction, request_writes(sizes, n_tokens, interval, rules, hit, junction)
 
 
 def repeat(sizes: Sizes, n_tokens, interval, rules: Rules, groups):

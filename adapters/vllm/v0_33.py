@@ -47,6 +47,7 @@ import contextvars
 import dataclasses
 import json
 import logging
+import operator
 import os
 import time
 import weakref
@@ -126,6 +127,15 @@ _KINDS: tuple[tuple[tuple[type, ...], type, Kind], ...] = (
 
 class Unmodelled(Exception):
     """A layout or a call the spec does not model; vLLM's own code handles it."""
+
+
+def _integer(value, what: str) -> int:
+    """``value`` as vLLM's arithmetic uses it, as an int: an int, a bool (vLLM takes ``True`` as 1) or
+    another integer type (numpy's); anything else is :class:`Unmodelled`."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise Unmodelled(f"{what} is {value!r} ({type(value).__name__}), not an integer") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,15 +220,17 @@ class WriteModel:
         resend = self.resume_points(n_tokens)[0]
         return resend // self.sizes.alignment * self.sizes.alignment
 
-    def next_mamba_stop(self, n_tokens: int, start: int, end: int) -> int | None:
+    def next_mamba_stop(self, n_tokens: int, start: int, end: int, junction: int = 0) -> int | None:
         """The first position strictly inside ``(start, end)`` where a Mamba group of the prompt keeps a
-        state under the reference (``refimpl.mamba_held``): an aligned replay boundary, a multiple of the
-        retention interval, or with dense retention every unit; each at most the group's extent."""
+        state under the reference (``refimpl.mamba_held``): an aligned replay boundary or the request's
+        shared-prefix junction (``junction``, when positive), a multiple of the retention interval, or with
+        dense retention every unit; each at most the group's extent."""
         a = self.sizes.alignment
         best = None
+        at = self.boundaries(n_tokens) + ((junction,) if junction > 0 else ())
         for k in self.mamba_groups:
             extent = group_extent(self.sizes, k, n_tokens)
-            candidates = [x // a * a for x in self.boundaries(n_tokens)]
+            candidates = [x // a * a for x in at]
             step = read_unit(self.sizes, k) if self.retention is None else self.retention
             if step:
                 candidates.append((start // step + 1) * step)
@@ -270,11 +282,12 @@ def _group_of(index: int, group_spec, manager) -> Group:
     try:
         return Group(
             kind,
-            spec.block_size,
-            window=spec.sliding_window if kind is Kind.SWA else None,
-            chunk=spec.attention_chunk_size if kind is Kind.CHUNKED else None,
-            dcp_sharded=spec.dcp_sharded,
-            eagle=group_spec.is_eagle_group,
+            _integer(spec.block_size, f"group {index}: block_size"),
+            window=_integer(spec.sliding_window, f"group {index}: sliding_window") if kind is Kind.SWA else None,
+            chunk=(_integer(spec.attention_chunk_size, f"group {index}: attention_chunk_size")
+                   if kind is Kind.CHUNKED else None),
+            dcp_sharded=bool(spec.dcp_sharded),
+            eagle=bool(group_spec.is_eagle_group),
             tokens_per_state=max(1, tokens_per_state),  # MambaSpec uses -1 for "one token per state"
         )
     except ValueError as e:
@@ -288,8 +301,8 @@ def _speculation_of(coordinator: KVCacheCoordinator) -> Speculation:
     ``num_hash_lookahead_tokens`` (kept by the block pool) and ``num_prefill_lookahead`` (kept as
     ``num_reprefillable_tokens = max(0, Lp - 1)``).
     """
-    lookahead = coordinator.block_pool.num_hash_lookahead_tokens
-    reprefillable = coordinator.num_reprefillable_tokens
+    lookahead = _integer(coordinator.block_pool.num_hash_lookahead_tokens, "num_hash_lookahead_tokens")
+    reprefillable = _integer(coordinator.num_reprefillable_tokens, "num_reprefillable_tokens")
     drop = bool(coordinator.drop_eagle_group_ids)
     if lookahead and drop:
         raise Unmodelled("lookahead hashes together with the EAGLE drop (vLLM's scheduler never builds it)")
@@ -341,8 +354,8 @@ def model_coordinator(coordinator: KVCacheCoordinator) -> CoordinatorModel:
     managers = coordinator.single_type_managers
     groups = tuple(_group_of(i, g, m) for i, (g, m) in enumerate(zip(config.kv_cache_groups, managers)))
     unitary = type(coordinator) is UnitaryKVCacheCoordinator
-    dcp = managers[0].dcp_world_size if unitary else coordinator.dcp_world_size
-    h = coordinator.block_pool.hash_block_size
+    dcp = _integer(managers[0].dcp_world_size if unitary else coordinator.dcp_world_size, "dcp_world_size")
+    h = _integer(coordinator.block_pool.hash_block_size, "hash_block_size")
     speculation = _speculation_of(coordinator)
     try:
         layout = Layout(groups, dcp=dcp)
@@ -547,15 +560,10 @@ def walk_sources(members: Sequence[Sequence[int]], spec_groups,
 
 
 def pool_cache(coordinator: KVCacheCoordinator, block_hashes: Sequence, model: CoordinatorModel,
-               members: Sequence[Sequence[int]] | None = None,
                walks: Sequence[_Walk | None] = ()) -> PoolCache:
-    """A new :class:`PoolCache` of a request on ``model``'s spec groups (or on ``members``), given the walks
-    the lookup made of the coordinator's spec groups (:func:`_walks`)."""
-    if members is None:
-        members, sources = model.members, model.walked
-    else:
-        sources = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
-    cache = PoolCache(coordinator.block_pool, model.sizes.hash_block, members, sources)
+    """A new :class:`PoolCache` of a request on ``model``'s spec groups, given the walks the lookup made of
+    the coordinator's spec groups (:func:`_walks`)."""
+    cache = PoolCache(coordinator.block_pool, model.sizes.hash_block, model.members, model.walked)
     return cache.start(block_hashes, walks)
 
 
@@ -565,20 +573,21 @@ def _block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
 
 
 def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
-               walks: Sequence[_Walk | None], max_cache_hit_length: int) -> tuple[int, int]:
-    """``(hit, reach)`` of ``refimpl.hit_tokens`` under the reference policy for a request of
-    ``N = max_cache_hit_length + 1`` tokens on the model's :class:`PoolCache`, started for this lookup.
+               walks: Sequence[_Walk | None], max_cache_hit_length: int) -> tuple[int, int, int]:
+    """``(hit, reach, longest)`` of ``refimpl.hit_tokens`` under the reference policy for a request of
+    ``N = max_cache_hit_length + 1`` tokens on the model's :class:`PoolCache`, started for this lookup
+    (``longest``: the shared prefix, at least the hit).
 
     Raises:
         _Stock: the cap is not ``N - 1`` for a request with these block hashes (a KV connector's cap;
             the spec models only ``N - 1``): the hashes of ``N`` tokens would not reach as far as these.
     """
-    hit, reach, _, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
+    hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
     if reach != len(block_hashes) * model.sizes.hash_block:
         raise _Stock(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
                      f"{len(block_hashes)} block hashes: the cap is not N - 1 (a KV connector's cap); "
                      "the spec models only N - 1")
-    return hit, reach
+    return hit, reach, longest
 
 
 def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
@@ -590,8 +599,9 @@ def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, bloc
     Raises:
         _Stock: see :func:`_reference`.
     """
-    return _reference(coordinator, model, block_hashes, _walks(model, block_hashes, max_cache_hit_length),
-                      max_cache_hit_length)
+    hit, reach, _ = _reference(coordinator, model, block_hashes,
+                               _walks(model, block_hashes, max_cache_hit_length), max_cache_hit_length)
+    return hit, reach
 
 
 def group_reference_hit(model: CoordinatorModel, cache: CacheState, k: int, bound: int, reach: int) -> int:
@@ -730,30 +740,15 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
                  max_cache_hit_length: int):
     """``find_longest_cache_hit`` under the reference policy: ``(blocks per group, hit, num_uncached)``."""
     walks = _walks(model, block_hashes, max_cache_hit_length)
-    hit, reach = _reference(coordinator, model, block_hashes, walks, max_cache_hit_length)
+    hit, _, longest = _reference(coordinator, model, block_hashes, walks, max_cache_hit_length)
     out: list = [None] * len(model.spec_group_of)  # every KV-cache group is in one of the plans
     for plan, walk in zip(model.plans, walks):
         for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit)):
             out[gid] = group_blocks
-    if model.unitary or model.write is not None:
-        # Unitary: one group, nothing lags it. The reference write side records no junction
-        # (refimpl.junction_of: the reference lookup has no longer intermediate candidate than its hit): the
-        # replay boundaries already keep every state a repeat resumes at.
-        return tuple(out), hit, 0
-    # vLLM's write side: vLLM reports the prefix its first lookup found (its first spec group: full
-    # attention when there is any) beyond the hit as an uncached shared prefix; the write side pins that
-    # junction for the lagging sparse groups. The spec may merge more KV-cache groups into that spec group
-    # than vLLM does, so the first group is asked about with vLLM's members.
-    first = model.plans[0].group_ids
-    k = model.spec_group_of[first[0]]
-    members = None
-    if tuple(first) != model.members[k]:
-        members = list(model.members)
-        members[k] = tuple(first)
-    cache = pool_cache(coordinator, block_hashes, model, members, walks)
-    longest = group_reference_hit(model, cache, k, min(max_cache_hit_length, reach), reach)
-    if longest < hit:
-        raise _Inconsistent(f"the first spec group alone serves {longest} < the reference hit {hit}")
+    # The shared prefix past the hit (refimpl.shared_prefix_tokens; none on one group) is vLLM's uncached
+    # common prefix: get_computed_blocks makes it the request's shared_prefix_boundary, where the write
+    # side (the reference's and vLLM's alike) keeps the lagging groups' state for the next prompt that
+    # shares it.
     return tuple(out), hit, longest - hit
 
 
@@ -792,6 +787,9 @@ ENFORCE_FALLBACKS = Counter(
     "kvhit_enforce_fallbacks",
     "Enforce-mode lookups answered by vLLM's own code because kvhit could not serve them.",
     ["layout"])
+UNMODELLED_LAYOUTS = Counter(
+    "kvhit_unmodelled_layouts",
+    "Scheduler KV-cache coordinators left wholly to vLLM: a layout, setting or argument kvhit does not model.")
 
 
 class _BoundedLog:
@@ -860,10 +858,13 @@ def get_kv_cache_coordinator(*args, **kwargs) -> KVCacheCoordinator:
         return coordinator  # no prefix caching: nothing to look up
     try:
         model = model_coordinator(coordinator)
-    except Unmodelled as e:
+    except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
+        why = str(e) if isinstance(e, Unmodelled) else (
+            f"kvhit could not read the layout ({type(e).__name__}: {e}); this is kvhit's bug, please report it")
         _models[coordinator] = None
-        log_once(logging.WARNING, "kvhit: KV-cache layout not modelled by the spec, left to vLLM: %s", e)
-        write_status(None, str(e))
+        UNMODELLED_LAYOUTS.inc()
+        log_once(logging.WARNING, "kvhit: KV-cache layout not modelled by the spec, left to vLLM: %s", why)
+        write_status(None, why)
         return coordinator
     _models[coordinator] = model
     sizes = model.sizes
@@ -1076,11 +1077,12 @@ def mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_
                                                num_external_computed_tokens)
     finally:
         _writing.reset(token)
-    start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-    if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
-        return num_new_tokens
     try:
-        stop = write.next_mamba_stop(request.num_prompt_tokens, start, start + num_new_tokens)
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+            return num_new_tokens
+        stop = write.next_mamba_stop(request.num_prompt_tokens, start, start + num_new_tokens,
+                                     request.shared_prefix_boundary or 0)
     except Exception as e:  # noqa: BLE001 - see coordinator_replay_boundaries
         _write_fall_back(write, e)
         return num_new_tokens

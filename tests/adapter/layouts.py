@@ -53,14 +53,22 @@ def speculation(mode: str, num_speculative_tokens: int = 1, multi_module_mtp: bo
 
 def expected_reference_hit(harness: VllmHarness, layout: R.Layout, spec: R.Speculation,
                            tokens: list[int]) -> int:
-    """The reference hit of ``tokens`` on the cache the harness finds in vLLM's block pool.
+    """The reference hit of ``tokens`` on the cache the harness finds in vLLM's block pool."""
+    return expected_reference_lookup(harness, layout, spec, tokens)[0]
+
+
+def expected_reference_lookup(harness: VllmHarness, layout: R.Layout, spec: R.Speculation,
+                              tokens: list[int]) -> tuple[int, int]:
+    """``(hit, shared-prefix boundary)`` of the reference lookup of ``tokens`` on the cache the harness
+    finds in vLLM's block pool, the boundary as vLLM's ``get_computed_blocks`` reports it (0 for none).
 
     A spec group holds a boundary when every KV-cache group it merges does.
     """
     retained = harness.retained(tokens)
     sizes = R.derive_sizes(layout, spec)
     cache = [set.intersection(*(set(retained[m]) for m in sg.members)) for sg in sizes.groups]
-    return R.hit(layout, spec, len(tokens), cache, "reference")
+    hit, _, longest, _ = R.hit_tokens(R.as_cache(cache), sizes, len(tokens), R.REFERENCE)
+    return hit, (longest if longest > hit else 0)
 
 
 def unsound_blocks(harness: VllmHarness, tokens: list[int], blocks: tuple[list, ...], hit: int) -> list[str]:

@@ -91,16 +91,16 @@ def llama_eagle_layers(vllm_config) -> dict:
                              c["num_key_value_heads"], c["head_dim"])
 
 
-def llama_swa_eagle_layers(vllm_config) -> dict:
+def llama_swa_eagle_layers(vllm_config, drafts: int = 1) -> dict:
     """A Gemma-like target: layer 0 full attention, layer 1 a 64-token sliding window; EAGLE-1 draft (1
-    full-attention layer)."""
+    full-attention layer; none when ``drafts`` is 0)."""
     import torch
 
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     c = MODELS["llama"]
     block = vllm_config.cache_config.block_size
-    layers = _attention_layers(block, 1, 1, c["num_key_value_heads"], c["head_dim"])
+    layers = _attention_layers(block, 1, drafts, c["num_key_value_heads"], c["head_dim"])
     layers["model.layers.1.self_attn.attn"] = SlidingWindowSpec(
         block_size=block, num_kv_heads=c["num_key_value_heads"], head_size=c["head_dim"], dtype=torch.float32,
         sliding_window=64)
@@ -125,7 +125,7 @@ def llama_mqa_replicated_draft_layers(vllm_config) -> dict:
             for name, spec in llama_mqa_eagle_layers(vllm_config).items()}
 
 
-def nemotron_h_mtp_layers(vllm_config, model: str = "nemotron_h_mtp") -> dict:
+def nemotron_h_mtp_layers(vllm_config, model: str = "nemotron_h_mtp", drafts: int | None = None) -> dict:
     """Nemotron-H (3 Mamba-2 layers, 1 attention layer) + its MTP modules (1 attention layer each), at one
     block size for both kinds (``mamba_cache_mode="align"``) and one page size (the Mamba page padded to the
     attention page, as ``HybridAttentionMambaModelConfig`` arranges). Under decode context parallelism the
@@ -136,7 +136,8 @@ def nemotron_h_mtp_layers(vllm_config, model: str = "nemotron_h_mtp") -> dict:
 
     c = MODELS[model]
     block = vllm_config.cache_config.block_size
-    layers = _attention_layers(block, c["hybrid_override_pattern"].count("*"), c["num_nextn_predict_layers"],
+    drafts = c["num_nextn_predict_layers"] if drafts is None else drafts
+    layers = _attention_layers(block, c["hybrid_override_pattern"].count("*"), drafts,
                                c["num_key_value_heads"], c["head_dim"])
     page = next(iter(layers.values())).page_size_bytes
     inner = c["mamba_num_heads"] * c["mamba_head_dim"]
@@ -150,8 +151,9 @@ def nemotron_h_mtp_layers(vllm_config, model: str = "nemotron_h_mtp") -> dict:
     return layers
 
 
-# name -> (target, speculative config (draft paths relative to the models folder), layer specs, block size,
-#          prompt lengths served in order)
+# name -> (target, speculative config (draft paths relative to the models folder; None for none), layer specs,
+#          block size, prompts served in order: a length (one prompt per length: equal lengths repeat it), or
+#          ``(length, shared, variant)``, a prompt whose first ``shared`` tokens are the scenario's system prompt)
 SCENARIOS = {
     "eagle-drop": ("llama", {"method": "eagle", "model": "llama_eagle_draft", "num_speculative_tokens": 1,
                              "disable_lookahead_block_hashes": True}, llama_eagle_layers, 16, (1024, 1024, 1024)),
@@ -180,6 +182,28 @@ SCENARIOS.update({name: ("nemotron_h_mtp_mqa",
                          (8000, 8000, 8000, 11910, 11910)) for name, (_, mode) in _MTP_DCP.items()})
 PARALLEL = {name: {"tensor_parallel_size": dcp, "decode_context_parallel_size": dcp}
             for name, (dcp, _) in (_DCP | _MTP_DCP).items()}
+# A shared system prompt: four prompts of one length share their first tokens and then diverge (the
+# commonest chat workload), then the first is sent again. Under vLLM's default retention 0 and dense, on a
+# Mamba hybrid and a sliding-window one, with and without speculation.
+_MAMBA_SYSTEM = tuple((8000, 4800, i) for i in range(4)) + ((8000, 4800, 0),)
+_SWA_SYSTEM = tuple((1000, 480, i) for i in range(4)) + ((1000, 480, 0),)
+_SHARED = {
+    "shared-mamba": (None, lambda c: nemotron_h_mtp_layers(c, drafts=0), _MAMBA_SYSTEM),
+    "shared-mtp2-drop": ({"method": "mtp", "num_speculative_tokens": 2, "disable_lookahead_block_hashes": True},
+                         nemotron_h_mtp_layers, _MAMBA_SYSTEM),
+    "shared-mtp2-lookahead": ({"method": "mtp", "num_speculative_tokens": 2}, nemotron_h_mtp_layers,
+                              _MAMBA_SYSTEM),
+    "shared-swa": (None, lambda c: llama_swa_eagle_layers(c, drafts=0), _SWA_SYSTEM),
+    "shared-swa-eagle-drop": ({"method": "eagle", "model": "llama_eagle_draft", "num_speculative_tokens": 1,
+                               "disable_lookahead_block_hashes": True}, llama_swa_eagle_layers, _SWA_SYSTEM),
+}
+RETENTION: dict = {}  # scenario -> prefix_cache_retention_interval (vLLM's default 0 when absent)
+for _name, (_spec, _layers, _prompts) in _SHARED.items():
+    _target = "nemotron_h_mtp" if "swa" not in _name else "llama"
+    for _retention, _suffix in ((0, "r0"), (None, "dense")):
+        SCENARIOS[f"{_name}-{_suffix}"] = (_target, _spec, _layers, 1600 if _target != "llama" else 16,
+                                           _prompts)
+        RETENTION[f"{_name}-{_suffix}"] = _retention
 MAX_MODEL_LEN = 16384
 MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -220,19 +244,21 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
     model_config = ModelConfig(model=os.path.join(models_dir, target), skip_tokenizer_init=True,
                                dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
     parallel_config = ParallelConfig(**PARALLEL.get(name, {}))
-    speculative = dict(speculative)
-    if "model" in speculative:
-        speculative["model"] = os.path.join(models_dir, speculative["model"])
+    if speculative is not None:
+        speculative = dict(speculative)
+        if "model" in speculative:
+            speculative["model"] = os.path.join(models_dir, speculative["model"])
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
                                  prefix_match_unit=prefix_match_unit,
+                                 prefix_cache_retention_interval=RETENTION.get(name, 0),
                                  mamba_cache_mode="align" if model_config.is_hybrid else "none"),
         parallel_config=parallel_config,
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
-        speculative_config=SpeculativeConfig(target_model_config=model_config,
-                                             target_parallel_config=parallel_config, **speculative),
+        speculative_config=None if speculative is None else SpeculativeConfig(
+            target_model_config=model_config, target_parallel_config=parallel_config, **speculative),
     )
 
     # EngineCore._initialize_kv_caches, with the layers' specs, the layout list and a memory budget in place of
@@ -262,9 +288,15 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
     return scheduler, block_hasher
 
 
-def _prompt(name: str, n: int) -> list[int]:
-    rng = random.Random(f"{name}/{n}")
-    return [rng.randrange(3, 512) for _ in range(n)]
+def _prompt(name: str, entry) -> list[int]:
+    """The tokens of a scenario's prompt entry (see ``SCENARIOS``)."""
+    if isinstance(entry, int):
+        rng = random.Random(f"{name}/{entry}")
+        return [rng.randrange(3, 512) for _ in range(entry)]
+    n, shared, variant = entry
+    system = random.Random(f"{name}/system")
+    rng = random.Random(f"{name}/{n}/{variant}")
+    return [system.randrange(3, 512) for _ in range(shared)] + [rng.randrange(3, 512) for _ in range(n - shared)]
 
 
 def _retained(scheduler, request) -> list[list[int]]:
@@ -342,15 +374,18 @@ def serve(scheduler, block_hasher, request_id: str, tokens: list[int], trace: li
             if o["req_id"] == request_id and o["prefill_stats"] is not None:
                 num_cached_tokens = o["prefill_stats"]["num_cached_tokens"]
     assert num_cached_tokens is not None, f"{request_id}: no EngineCoreOutput carried prefill_stats"
-    return {"prompt_len": len(tokens), "num_cached_tokens": num_cached_tokens, "retained": retained}
+    return {"prompt_len": len(tokens), "num_cached_tokens": num_cached_tokens, "retained": retained,
+            "shared_prefix_boundary": request.shared_prefix_boundary}
 
 
 def run_scenario(name: str, models_dir: str) -> dict:
     scheduler, block_hasher = build_scheduler(name, models_dir)
     spec = scheduler.vllm_config.speculative_config
     trace: list = []
-    served = [serve(scheduler, block_hasher, f"{name}-{i}", _prompt(name, n), trace)
-              for i, n in enumerate(SCENARIOS[name][4])]
+    served = []
+    for i, entry in enumerate(SCENARIOS[name][4]):
+        served.append(serve(scheduler, block_hasher, f"{name}-{i}", _prompt(name, entry), trace))
+        served[-1]["prompt"] = entry
     return {
         "kv_cache_groups": [{"spec": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
                              "dcp_sharded": g.kv_cache_spec.dcp_sharded, "is_eagle_group": g.is_eagle_group,
@@ -362,7 +397,8 @@ def run_scenario(name: str, models_dir: str) -> dict:
                       "num_hash_lookahead_tokens": scheduler.num_hash_lookahead_tokens,
                       "num_prefill_lookahead": scheduler.num_prefill_lookahead,
                       "num_spec_tokens": scheduler.num_spec_tokens,
-                      "method": spec.method, "multi_module_mtp": spec.use_multi_module_mtp()},
+                      "method": spec and spec.method,
+                      "multi_module_mtp": bool(spec and spec.use_multi_module_mtp())},
         "served": served,
         "trace": trace,
     }

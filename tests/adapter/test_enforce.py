@@ -16,6 +16,7 @@ import kvhit.refimpl as R
 from kvhit.adapters.vllm import v0_33
 from tests.adapter.layouts import (
     expected_reference_hit,
+    expected_reference_lookup,
     harness_layout,
     refimpl_layout,
     speculation,
@@ -76,7 +77,7 @@ def _check_probe(harness, layout, spec, tokens, what):
     reference; returns ``(hit, spb)``."""
     request = harness._new_request(tokens)
     blocks, hit, spb = harness.manager.get_computed_blocks(request)
-    expected = expected_reference_hit(harness, layout, spec, tokens)
+    expected, junction = expected_reference_lookup(harness, layout, spec, tokens)
     stock = _stock(harness.manager.coordinator, request.block_hashes, len(tokens) - 1)
     context = (f"{layout.name} dcp{layout.dcp} {spec.describe()} {what}: N={len(tokens)} enforce={hit} "
                f"reference={expected} vLLM={stock[1]}; cache={harness.retained(tokens)}")
@@ -85,10 +86,7 @@ def _check_probe(harness, layout, spec, tokens, what):
     if stock[1] == hit:
         # Same hit: exactly vLLM's blocks.
         assert _ids(blocks.blocks) == _ids(stock[0]), context
-    if v0_33._models[harness.manager.coordinator].write is not None:
-        assert spb == 0, context  # the reference write side records no junction
-    elif stock[1] == hit:
-        assert spb == (hit + stock[2] if stock[2] else 0), context  # vLLM's junction, for vLLM's write side
+    assert spb == junction, context  # the reference's shared prefix past the hit, for either write side
     return hit, spb
 
 

@@ -63,6 +63,20 @@ for _dcp in (2, 4, 8):
                  dcp=_dcp), R.Speculation("drop", 1),
         [("FullAttentionSpec", 16, True, False, 1), ("FullAttentionSpec", 16, True, False, 1),
          ("FullAttentionSpec", 16, False, True, 1)])
+# A shared system prompt (scheduler_run._SHARED), at retention 0 and dense. Without MTP layers each of
+# Nemotron-H's Mamba layers gets a group of its own.
+_SHARED_SETUP = {
+    "shared-mamba": (R.Layout((R.Group("full", 1600),) + (R.Group("mamba", 1600),) * 3), R.Speculation("none"),
+                     [("FullAttentionSpec", 1600, True, False, 1)] + [("MambaSpec", 1600, False, False, 1)] * 3),
+    "shared-mtp2-drop": EXPECTED_SETUP["mtp2-drop"],
+    "shared-mtp2-lookahead": EXPECTED_SETUP["mtp2-lookahead"],
+    "shared-swa": (R.Layout((R.Group("full", 16), R.Group("swa", 16, window=64))), R.Speculation("none"),
+                   [("FullAttentionSpec", 16, True, False, 1), ("SlidingWindowSpec", 16, True, False, 1)]),
+    "shared-swa-eagle-drop": EXPECTED_SETUP["swa-eagle-drop"],
+}
+SHARED_SCENARIOS = [f"{name}-{suffix}" for name in _SHARED_SETUP for suffix in ("r0", "dense")]
+for _scenario in SHARED_SCENARIOS:
+    EXPECTED_SETUP[_scenario] = _SHARED_SETUP[_scenario.rsplit("-", 1)[0]]
 RUNS = {  # name -> (extra arguments, KVHIT_MODE)
     "stock": ([], None),
     "off": (["--load-plugins"], "off"),
@@ -99,11 +113,11 @@ def runs(tmp_path_factory):
 
 def _requests(result, scenario):
     """``(index, served request, how often its prompt was served before)`` for one scenario."""
-    seen: dict[int, int] = {}
+    seen: dict[str, int] = {}
     for i, served in enumerate(result["scenarios"][scenario]["served"]):
-        n = served["prompt_len"]  # one prompt per length in a scenario
-        yield i, served, seen.get(n, 0)
-        seen[n] = seen.get(n, 0) + 1
+        prompt = json.dumps(served["prompt"])  # a length, or (length, shared, variant)
+        yield i, served, seen.get(prompt, 0)
+        seen[prompt] = seen.get(prompt, 0) + 1
 
 
 def _expected(scenario, served, policy):
@@ -194,6 +208,24 @@ def test_enforce_first_repeat_hits_the_reference_steady_state(runs, scenario, n)
             if served["prompt_len"] == n and before]
     assert hits and hits[0] == _steady(scenario, n), (scenario, n, hits)
     assert all(hit == hits[0] for hit in hits), (scenario, n, hits)
+
+
+@pytest.mark.parametrize("scenario", SHARED_SCENARIOS)
+def test_enforce_never_gives_less_than_stock_to_prompts_sharing_a_system_prompt(runs, scenario):
+    """Four prompts share a system prompt of ``P`` tokens and then diverge; then the first is sent again.
+    At every request enforce's hit is at least stock vLLM's, and from the third on the prompts hit what the
+    reference hits on a cache holding every state of the system prompt (the second records the junction
+    that makes it so). With ``L`` lookahead tokens a block's hash covers ``L`` tokens past it, so the
+    prompts share the boundaries up to ``P - L``."""
+    layout, speculation, _ = EXPECTED_SETUP[scenario]
+    stock, enforce = (runs[run][0]["scenarios"][scenario]["served"] for run in ("stock", "enforce"))
+    hits = [(s["num_cached_tokens"], e["num_cached_tokens"]) for s, e in zip(stock, enforce)]
+    assert all(e >= s for s, e in hits), (scenario, "(stock, enforce) per request", hits)
+    n, shared, _ = enforce[2]["prompt"]
+    sizes = R.derive_sizes(layout, speculation)
+    on_system_prompt = R.hit(layout, speculation, n, [shared - sizes.hash_lookahead] * len(sizes.groups),
+                             "reference")
+    assert on_system_prompt > 0 and [e for _, e in hits[2:4]] == [on_system_prompt] * 2, (scenario, hits)
 
 
 def test_kvhit_mode_off_leaves_the_scheduler_byte_identical_to_stock(runs):

@@ -1,0 +1,75 @@
+"""The stream claims on concrete streams: ``reference_never_below_vllm`` and
+``a_shared_prefix_is_kept_at_the_junction``, each evaluated through its claim function (the one definition the
+prover lowers to Z3) with the generated ``refimpl`` on random prompts and shared lengths, over the write
+side's extended domain (every layout with a sliding-window or Mamba group, every DCP size and retention
+interval, including the layouts ``make prove`` leaves to ``--extended``)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhit.proofs.domains import write_configs
+from kvhit.proofs.model import Config, ReplayContext
+from kvhit.proofs.retention import a_shared_prefix_is_kept_at_the_junction, reference_never_below_vllm
+from kvhit.spec.catalogue import CATALOGUE
+from kvhit.spec.domain import Speculation
+from kvhit.spec.policy import ALL_POLICIES
+
+CONFIGS = write_configs(extended=True)
+
+
+@st.composite
+def streams(draw):
+    """A write-side configuration and the values of a stream's symbols: prompts up to 8 scheduler blocks,
+    the second a resend, a longer sibling, a truncation or a diverging prompt, the third following either."""
+    config = draw(st.sampled_from(CONFIGS))
+    s = ReplayContext(config, ALL_POLICIES["reference"], {"N": 1}, None).sizes().scheduler_block
+    length = st.integers(1, 8 * s)
+    n, n2, n3 = draw(length), draw(length), draw(length)
+    kind = draw(st.sampled_from(["resend", "sibling", "diverging"]))
+    if kind == "resend":
+        n2 = p2 = n
+    elif kind == "sibling":
+        n2 = max(n2, n + 1)
+        p2 = n
+    else:
+        p2 = draw(st.integers(0, min(n, n2)))
+    follows = draw(st.booleans())
+    p3 = draw(st.integers(0, min(n3, n2 if follows else n)))
+    p = draw(st.integers(1, 8 * s))
+    values = {"N": n, "N2": n2, "P2": p2, "N3": n3, "P3": p3, "follows_second": follows,
+              "P": p, "N2_diverging": draw(length)}
+    return config, values
+
+
+def _holds(claim, config, policy, values):
+    ctx = ReplayContext(config, ALL_POLICIES[policy], values, None)
+    assumption, holds = claim(ctx)
+    return not assumption or holds, ctx.shown
+
+
+@settings(max_examples=400, deadline=None)
+@given(stream=streams())
+def test_reference_is_never_below_vllm_on_concrete_streams(stream):
+    config, values = stream
+    holds, shown = _holds(reference_never_below_vllm, config, "reference", values)
+    assert holds, (config.label, values, shown)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=streams())
+def test_a_prompt_sharing_where_another_diverged_hits_what_dense_retention_gives(stream):
+    config, values = stream
+    holds, shown = _holds(a_shared_prefix_is_kept_at_the_junction, config, "reference", values)
+    assert holds, (config.label, values, shown)
+
+
+def test_without_the_junction_a_shared_system_prompt_is_lost():
+    """Non-vacuity, on the stream vLLM's own tests pin: Qwen3-Next's layout at vLLM's default retention 0,
+    three 8000-token prompts sharing a 4800-token system prompt. vLLM gives the third 4800 (the second
+    recorded the junction); the reference does too; the reference without its junction gives 0."""
+    config = Config(CATALOGUE["qwen3next"], Speculation("none"), 0)
+    values = {"N": 8000, "N2": 8000, "P2": 4800, "N3": 8000, "P3": 4800, "follows_second": True,
+              "P": 4800, "N2_diverging": 8000}
+    for policy, hits in (("reference", (0, 4800)), ("without_junction", (0, 0))):
+        holds, shown = _holds(reference_never_below_vllm, config, policy, values)
+        assert (holds, shown["hits"], shown["vllm_0_33_hits"]) == (policy == "reference", hits, (0, 4800)), policy
