@@ -167,7 +167,8 @@ INVARIANTS = (
     # --extended every write-side configuration.
     Invariant("reference_never_below_vllm", reference_never_below_vllm, "retention",
               applies=lambda config: config.write_side, refuted_by=("without_junction",), write_side=True,
-              heavy=lambda config: not _shared_prompt_setting(config), witness=_shared_prompt_setting),
+              # UNKNOWN at the 60 s wall-clock timeout under load: --extended only until rlimits (issue 15)
+              heavy=lambda config: True, witness=_shared_prompt_setting),
     Invariant("scheduler_and_mask_boundaries_agree", scheduler_and_mask_boundaries_agree, "retention",
               applies=lambda config: config.write_side, refuted_by=("historical", "retain_prompt_end"),
               write_side=True),
