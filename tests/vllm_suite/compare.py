@@ -44,7 +44,8 @@ class ModeRun:
     """Exclusion entry -> files or tests it kept out."""
     seconds: float | None = None
     """Wall time of the pytest process (set by the runner)."""
-    returncode: int | None = None
+    returncode: int | str | None = None
+    """pytest's exit code, or why the runner stopped it."""
 
     def counts(self) -> dict[str, int]:
         counts = {outcome: 0 for outcome in OUTCOMES}
@@ -83,10 +84,10 @@ class Check:
 
 def _setup_check(run: ModeRun) -> Check:
     if run.start is None:
-        return Check(f"setup[{run.mode}]", False, f"no session started (pytest exit code {run.returncode})")
+        return Check(f"setup[{run.mode}]", False, f"no session started (pytest: {run.returncode})")
     problems = run.start["problems"] + (run.finish["problems"] if run.finish else [])
     if run.finish is None:
-        problems.append(f"the session did not finish (pytest exit code {run.returncode})")
+        problems.append(f"the session did not finish (pytest: {run.returncode})")
     return Check(f"setup[{run.mode}]", not problems, "; ".join(problems))
 
 

@@ -3,12 +3,14 @@
 Usage::
 
     python -m tests.vllm_suite.run [--modes stock,off,shadow,enforce] [--selection default|long] [--jobs 2]
+                                   [--timeout 1200]
 
 Each mode is a fresh pytest process (kvhit patches process-wide state), run from ``build/vllm-0.33.0-tests``
 (where ``tests`` is vLLM's test package) with ``VLLM_TARGET_DEVICE=cpu``, the hub offline and pointed at the
 ``config.json`` files of :mod:`.hub`, no auto-loaded pytest plugins, no vLLM root conftest
 (``--confcutdir=tests/v1``; it is not even unpacked) and our ``vllm_suite_plugin``. ``--jobs`` modes run
-at once (2 on a 2-core machine). Logs and results go to ``out/vllm-tests/SELECTION/MODE.{log,jsonl}``.
+at once (2 on a 2-core machine); a mode still running after ``--timeout`` seconds is killed (and fails).
+Logs and results go to ``out/vllm-tests/SELECTION/MODE.{log,jsonl}``.
 
 Prints each mode's counts and wall time, the tests whose outcome differs between modes, every failed
 check, and a closing line ``vllm-tests: N passed, M failed`` (N and M count checks, :mod:`.compare`).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,7 +40,7 @@ OUT = REPO / "out" / "vllm-tests"
 
 # Variables a caller's environment might set that would change what a mode means.
 _CLEARED = ("KVHIT_MODE", "KVHIT_STATUS_FILE", "VLLM_PLUGINS", "PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTHONPATH",
-            "HF_TOKEN", "VLLM_USE_V2_MODEL_RUNNER")
+            "VLLM_USE_V2_MODEL_RUNNER")
 
 
 def mode_environment(mode: str) -> dict[str, str]:
@@ -65,15 +68,22 @@ def pytest_command(mode: str, paths: tuple[str, ...], results: Path, exclude: Pa
             f"--kvhit-mode={mode}", f"--kvhit-results={results}", f"--kvhit-exclude={exclude}", *paths]
 
 
-def run_mode(mode: str, paths: tuple[str, ...], out: Path, exclude: Path) -> compare.ModeRun:
-    """Run ``mode``'s pytest to completion; its log is ``out/MODE.log``."""
+def run_mode(mode: str, paths: tuple[str, ...], out: Path, exclude: Path, timeout: float) -> compare.ModeRun:
+    """Run ``mode``'s pytest to completion, or kill its process group after ``timeout`` seconds (the run then
+    has no ``session-finish`` and fails ``setup[MODE]``); its log is ``out/MODE.log``."""
     results, log = out / f"{mode}.jsonl", out / f"{mode}.log"
     results.unlink(missing_ok=True)
     start = time.monotonic()
     with open(log, "w", encoding="utf-8") as log_file:
-        returncode = subprocess.call(pytest_command(mode, paths, results, exclude), cwd=fetch.UNPACKED,
-                                     env=mode_environment(mode), stdout=log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(pytest_command(mode, paths, results, exclude), cwd=fetch.UNPACKED,
+                                   env=mode_environment(mode), stdout=log_file, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = f"killed after {timeout:.0f} s"
     run = compare.load(mode, results)
     run.seconds = time.monotonic() - start
     run.returncode = returncode
@@ -127,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, stock among them")
     parser.add_argument("--selection", choices=sorted(selection.SELECTIONS), default="default")
     parser.add_argument("--jobs", type=int, default=2, help="modes run at once")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds one mode may take")
     args = parser.parse_args(argv)
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     unknown = [mode for mode in modes if mode not in MODES]
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {mode: pool.submit(run_mode, mode, paths, out, exclude) for mode in modes}
+        futures = {mode: pool.submit(run_mode, mode, paths, out, exclude, args.timeout) for mode in modes}
         runs = {mode: futures[mode].result() for mode in modes}
     print(f"[vllm-tests] {len(modes)} modes in {time.monotonic() - started:.0f} s ({args.jobs} at a time)")
     checks = compare.compare(runs, paths)
