@@ -114,7 +114,8 @@ def compare(runs: dict[str, ModeRun], paths: tuple[str, ...]) -> list[Check]:
             want = "(not run)" if ours is None else ours.outcome
             entry = listed.get(test_id) if mode == "enforce" else None
             if entry is None:
-                detail = "" if got == want else f"stock {want}, {mode} {got}: {_first_line(theirs.message if theirs else '')}"
+                message = _first_line(theirs.message) if theirs else ""
+                detail = "" if got == want else f"stock {want}, {mode} {got}: {message}"
                 checks.append(Check(f"same[{mode}] {test_id}", got == want, detail))
             else:
                 held = got != want and got == entry.enforce_outcome and want == entry.stock_outcome

@@ -133,7 +133,11 @@ CONFIGS: dict[str, dict] = {
 
 
 def write_hub(cache: Path) -> Path:
-    """Write :data:`CONFIGS` into ``cache`` in ``huggingface_hub``'s cache layout (idempotent); returns ``cache``."""
+    """Write :data:`CONFIGS` into ``cache`` in ``huggingface_hub``'s cache layout (idempotent).
+
+    Returns:
+        ``cache``, for ``HF_HUB_CACHE``.
+    """
     for model, config in CONFIGS.items():
         repo = cache / ("models--" + model.replace("/", "--"))
         snapshot = repo / "snapshots" / REVISION

@@ -118,8 +118,9 @@ def print_report(runs: dict[str, compare.ModeRun], checks: list[compare.Check], 
     for test_id, outcomes in rows:
         cells = "  ".join(f"{mode} {o.outcome if o else '(not run)'}" for mode, o in outcomes.items())
         entry = listed.get(test_id)
-        note = (f"expected: {entry.finding.name if entry.finding else '-'}, {entry.kind.value}; stock {entry.stock}, "
-                f"enforce {entry.enforce}" if entry else "NOT EXPECTED")
+        finding = entry.finding.name if entry and entry.finding else "-"
+        note = (f"expected: {finding}, {entry.kind.value}; stock {entry.stock}, enforce {entry.enforce}"
+                if entry else "NOT EXPECTED")
         print(f"  {test_id}\n      {cells}\n      {note}")
         for mode, o in outcomes.items():
             if o is not None and o.outcome in ("failed", "error") and mode != "stock":

@@ -48,40 +48,56 @@ SELECTIONS = {"default": DEFAULT, "long": LONG}
 class Why(enum.Enum):
     """Why a file or test cannot run offline on a CPU here."""
 
-    SERVES_A_MODEL = ("runs a real engine (LLM, LLMEngine or the OpenAI server) on a model from the hub: needs its "
-                      "weights and tokenizer (no hub here) and vLLM's CPU kernels (vllm._C, not in .venv)")
+    SERVES_A_MODEL = ("runs a real engine (LLM, LLMEngine or the OpenAI server) on a model from the hub: "
+                      "needs its weights and tokenizer (no hub here) and vLLM's CPU kernels (vllm._C, not "
+                      "in .venv)")
     MULTIMODAL_PROCESSOR = ("a multimodal model: the Scheduler sizes its encoder budget with the model's "
-                            "multimodal processor, which loads the model's tokenizer and image processor from the "
-                            "hub (only config.json is made here); importing the model class also needs packages "
-                            ".venv lacks (llava: mistral_common)")
-    NEEDS_TRITON = ("async scheduling with pipeline parallelism needs Model Runner V2, which needs Triton: without "
-                    "it vLLM picks the V1 model runner and VllmConfig rejects the combination")
+                            "multimodal processor, which loads the model's tokenizer and image processor "
+                            "from the hub (only config.json is made here); importing the model class also "
+                            "needs packages .venv lacks (llava: mistral_common)")
+    NEEDS_TRITON = ("async scheduling with pipeline parallelism needs Model Runner V2, which needs Triton: "
+                    "without it vLLM picks the V1 model runner and VllmConfig rejects the combination")
 
 
 _SCHEDULER = "tests/v1/core/test_scheduler.py::"
 
 # test_scheduler.py's tests that build create_scheduler(model="llava-hf/llava-1.5-7b-hf").
 _LLAVA_TESTS = (
-    "test_schedule_multimodal_requests", "test_schedule_partial_requests",
-    "test_encoder_only_prompt_longer_than_budget_is_chunked", "test_same_step_duplicate_encoder_input_stays_cached",
-    "test_no_mm_input_chunking", "test_no_mm_input_chunking_for_same_step_duplicate",
-    "test_no_mm_input_chunking_at_item_boundary", "test_ec_connector_text_only_request",
-    "test_ec_connector_cache_hit_external_load", "test_ec_connector_cache_miss_computes_locally",
-    "test_ec_connector_with_partial_cache_hit_multi_round", "test_ec_connector_schedule_multiple_requests",
-    "test_ec_connector_unable_to_allocate", "test_priority_scheduling_ec_connector_preemption_and_resumption",
-    "test_ec_connector_allocate_encoder_tokens_with_external_load", "test_ec_connector_update_connector_output_called",
-    "test_eagle3_mm_encoder_cache_with_shift", "test_free_encoder_inputs_respects_unconfirmed_placeholders",
-    "test_free_encoder_inputs_notifies_the_ec_connector", "test_unavailable_encoder_input_fails_the_request_as_retryable",
-    "test_encoder_cache_accepts_matching_embed_count", "test_encoder_cache_rejects_mismatched_embed_count",
+    "test_schedule_multimodal_requests",
+    "test_schedule_partial_requests",
+    "test_encoder_only_prompt_longer_than_budget_is_chunked",
+    "test_same_step_duplicate_encoder_input_stays_cached",
+    "test_no_mm_input_chunking",
+    "test_no_mm_input_chunking_for_same_step_duplicate",
+    "test_no_mm_input_chunking_at_item_boundary",
+    "test_ec_connector_text_only_request",
+    "test_ec_connector_cache_hit_external_load",
+    "test_ec_connector_cache_miss_computes_locally",
+    "test_ec_connector_with_partial_cache_hit_multi_round",
+    "test_ec_connector_schedule_multiple_requests",
+    "test_ec_connector_unable_to_allocate",
+    "test_priority_scheduling_ec_connector_preemption_and_resumption",
+    "test_ec_connector_allocate_encoder_tokens_with_external_load",
+    "test_ec_connector_update_connector_output_called",
+    "test_eagle3_mm_encoder_cache_with_shift",
+    "test_free_encoder_inputs_respects_unconfirmed_placeholders",
+    "test_free_encoder_inputs_notifies_the_ec_connector",
+    "test_unavailable_encoder_input_fails_the_request_as_retryable",
+    "test_encoder_cache_accepts_matching_embed_count",
+    "test_encoder_cache_rejects_mismatched_embed_count",
     "test_encoder_cache_embed_count_mismatch_restores_prior_hit_state",
     "test_encoder_cache_rejects_mismatched_embed_count_within_request",
-    "test_free_encoder_inputs_unchanged_without_spec_decode", "test_waiting_encoder_stall_does_not_starve_later_requests",
-    "test_waiting_encoder_stall_is_counted_as_deferred", "test_waiting_encoder_stall_kv_holder_keeps_drain_priority",
+    "test_free_encoder_inputs_unchanged_without_spec_decode",
+    "test_waiting_encoder_stall_does_not_starve_later_requests",
+    "test_waiting_encoder_stall_is_counted_as_deferred",
+    "test_waiting_encoder_stall_kv_holder_keeps_drain_priority",
     "test_encoder_cache_retained_across_preemption_and_resume",
     "test_encoder_cache_recomputed_when_evicted_during_preemption",
-    "test_ec_connector_ensure_cache_available_defers_request", "test_ec_connector_waits_for_embeddings_in_prefix_replay",
+    "test_ec_connector_ensure_cache_available_defers_request",
+    "test_ec_connector_waits_for_embeddings_in_prefix_replay",
     "test_ec_connector_defers_running_request_for_async_reload",
-    "test_cpu_encoder_input_updates_wait_for_completed_prefill", "test_cpu_encoder_input_updates_resume_and_abort",
+    "test_cpu_encoder_input_updates_wait_for_completed_prefill",
+    "test_cpu_encoder_input_updates_resume_and_abort",
     "test_cpu_encoder_input_updates_restore_after_kv_load_failure",
     "test_cpu_encoder_input_updates_preserve_shm_handles",
 )
