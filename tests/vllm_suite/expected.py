@@ -91,4 +91,4 @@ EXPECTED: tuple[ExpectedDifference, ...] = (
             "the resend hits 240 in both modes"),
 )
 """Every expected enforce difference at HEAD (ae398c4), observed by ``make vllm-tests``. None is a kvhit
-bug: the seven that were at 736d285 (docs/vllm-tests.md, "History") were fixed by d2711fb."""
+bug: the six there were at 736d285 (docs/vllm-tests.md, "History") were fixed by d2711fb."""
