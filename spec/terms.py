@@ -356,10 +356,12 @@ def max_aligned(step: int, hi, pred: Callable[[Any], Any]):
     return runtime.max_aligned(step, hi, pred)
 
 
-@_operator("written_cache({0})", "the cache a write side leaves: one Held description per spec group")
+@_operator("written_cache({0})", "the cache a write side leaves: per spec group a Held, or a tuple of Held layers")
 def written(groups):
     """The cache state the :class:`kvhit.spec.cache.Held` descriptions say, for the read side to consume:
-    plain loops in Python, a decision procedure over tails and points in Z3."""
+    plain loops in Python, a decision procedure over tails and points in Z3. A spec group given as a tuple
+    of :class:`Held` layers (what several earlier prompts left) holds their union in both lowerings
+    (:func:`kvhit.spec.cache.layers`)."""
     if _LOWERING.get("z3"):
         from .lower_z3 import SymbolicWrittenCache
 
