@@ -344,13 +344,20 @@ class SymbolicWrittenCache:
     all before ``e``. The last piece ends at or past ``e`` and within its own layer's extent, so that extent
     is not among them: at most ``L - 1`` middle pieces, ``L + 1`` in all (``L = 1``: today's two tails).
 
-    The encoding: for each possible first piece, the blocks it reaches through ``L - 1`` greedy steps over
-    the middle candidates (per layer its longest tail cut at its extent, and the periodic tail cut at the
-    periodic layers' extent) and one final step over every piece; the window ends it covers are then one
-    interval. Supported exactly: explicit tails, layers that keep every block, and periodic tails when the
-    periodic layers share their period, shift and tail (as layers of one layout and interval do), periods
-    multiples of the block and longer than a tail. Not supported (:class:`SpecError`): live gaps in a
-    sliding-window group of several layers, and periodic tails of differing shapes or that touch.
+    The encoding: for each possible first piece, how far it reaches through ``L - 1`` greedy steps over
+    the middle candidates and one final step over every piece; the window ends it covers are then one
+    interval. A middle piece can be swapped for its layer's candidate (the layer's longest tail cut at its
+    extent: the same end, a start no later; for periodic tails, the one cut at the periodic layers' extent),
+    and each greedy step reaches at least as far as the chain's next piece, so this misses no cover; every
+    chain it finds is one. A periodic first piece is followed by an explicit one, which starts inside it,
+    so it is the periodic tail ending first at or after that start (tails are shorter than the period).
+    Intervals: one per explicit tail, one per explicit tail for the periodic tail before it, one for the
+    layers that keep every block, and the single periodic tails as for one layer.
+
+    Supported exactly: explicit tails, layers that keep every block, and periodic tails when the periodic
+    layers share their period, shift and tail (as layers of one layout and interval do), periods multiples
+    of the block and longer than a tail. Not supported (:class:`SpecError`): live gaps in a sliding-window
+    group of several layers, and periodic tails of differing shapes or that touch.
     """
 
     def __init__(self, groups):
