@@ -30,7 +30,6 @@ from kvhit.spec.policy import Rules, pass_bound
 from kvhit.spec.sizes import Sizes, derive_sizes
 from kvhit.spec.terms import Term, _zv
 
-SOLVER_TIMEOUT_MS = 60_000
 
 # The spec's functions under the names the generated refimpl gives them (one flat module there).
 SPEC = SimpleNamespace(**{**vars(spec_sizes), **vars(spec_policy), **vars(spec_retention)})
@@ -210,12 +209,25 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
 
 # Z3's arithmetic solvers differ by orders of magnitude on these linear problems full of division by
 # constants, and neither wins everywhere: try the older simplex solver briefly, then the default one.
+# Each try is still bounded by the clock (milliseconds); the resource units Z3 spends (rlimit) are counted
+# and printed beside the seconds. Bounding the tries by rlimit instead, so a loaded machine cannot turn a
+# verdict into UNKNOWN, is measured but not yet calibrated: the simplex solver spends 50-60 million units a
+# second and the default one 7-15 million, and a bound of 40 million on the first try sent a check that
+# takes the simplex solver 1 s to the default solver for 395 s (issue 15).
+SOLVER_TIMEOUT_MS = 60_000
 PORTFOLIO = ((2, 4_000), (6, SOLVER_TIMEOUT_MS))
 
 
+def _rlimit_count() -> int:
+    """The resource units this process's Z3 context has spent so far."""
+    return z3.Solver().statistics().get_key_value("rlimit count")
+
+
 def solve(formulas):
-    """``(result, model, reason)`` of the conjunction of ``formulas``, by the solver portfolio."""
+    """``(result, model, reason, rlimit)`` of the conjunction of ``formulas``, by the solver portfolio;
+    ``rlimit``: the resource units spent, over every try."""
     reason = ""
+    start = _rlimit_count()
     for arith, timeout in PORTFOLIO:
         z3.set_param("smt.arith.solver", arith)
         solver = z3.Solver()
@@ -223,9 +235,9 @@ def solve(formulas):
         solver.add(*formulas)
         result = solver.check()
         if result != z3.unknown:
-            return result, solver.model() if result == z3.sat else None, ""
+            return result, solver.model() if result == z3.sat else None, "", _rlimit_count() - start
         reason = solver.reason_unknown()
-    return z3.unknown, None, reason
+    return z3.unknown, None, reason, _rlimit_count() - start
 
 
 @dataclass
@@ -236,12 +248,15 @@ class Verdict:
     configs: list = field(default_factory=list)
     refuted: int = 0
     seconds: float = 0.0
+    rlimit: int = 0
+    max_rlimit: int = 0
     counterexample: dict | None = None
     note: str = ""
 
     def as_json(self) -> dict:
         return {"invariant": self.invariant, "policy": self.policy, "verdict": self.verdict,
-                "configs": len(self.configs), "seconds": round(self.seconds, 3),
+                "configs": len(self.configs), "seconds": round(self.seconds, 3), "rlimit": self.rlimit, "max_rlimit": self.max_rlimit,
+                "layouts": sorted({label.split()[0] for label in self.configs}),
                 "counterexample": self.counterexample}
 
 
@@ -304,8 +319,8 @@ def check_concrete(invariant: Invariant, rules: Rules, scenario: Scenario):
     if (bool(s_assumption), bool(s_claim), interpreted.shown) != (bool(r_assumption), bool(r_claim), replay.shown):
         verdict = "REPLAY-MISMATCH"
     if verdict == "PROVED":
-        return verdict, seconds, None
-    return verdict, seconds, counterexample(config, rules, values, None, {}, dict(interpreted.shown), replay.shown)
+        return verdict, seconds, None, 0
+    return verdict, seconds, counterexample(config, rules, values, None, {}, dict(interpreted.shown), replay.shown), 0
 
 
 def counterexample(config: Config, rules: Rules, values: dict, cache, described: dict, shown: dict,
@@ -334,7 +349,8 @@ def counterexample(config: Config, rules: Rules, values: dict, cache, described:
 
 
 def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None):
-    """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex)``."""
+    """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex,
+    rlimit)`` (``rlimit``: Z3's resource units spent; 0 for a scenario decided without the solver)."""
     if scenario is not None and scenario.concrete:
         return check_concrete(invariant, rules, scenario)
     start = time.perf_counter()
@@ -350,12 +366,12 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
                 formulas.append(ctx.symbols[name].z == value)
             if not config.write_side:  # a write-side check builds its own caches
                 formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
-        result, model, reason = solve(formulas)
+        result, model, reason, spent = solve(formulas)
     seconds = time.perf_counter() - start
     if result == z3.unsat:
-        return "PROVED", seconds, None
+        return "PROVED", seconds, None, spent
     if result == z3.unknown:
-        return "UNKNOWN", seconds, {"reason": reason}
+        return "UNKNOWN", seconds, {"reason": reason, "rlimit": spent}, spent
     values = {name: _as_python(term, model) for name, term in ctx.symbols.items()}
     symbolic_shown = {name: _as_python(v, model) for name, v in ctx.shown.items()}
     cache, described = cache_from_runs(model_runs(ctx.cache, model))
@@ -363,5 +379,5 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     r_assumption, r_claim = invariant.claim(replay)
     cex = counterexample(config, rules, values, cache, described, symbolic_shown, replay.shown)
     if not (r_assumption and not r_claim) or symbolic_shown != replay.shown:
-        return "REPLAY-MISMATCH", seconds, cex
-    return "REFUTED", seconds, cex
+        return "REPLAY-MISMATCH", seconds, cex, spent
+    return "REFUTED", seconds, cex, spent

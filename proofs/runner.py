@@ -51,12 +51,12 @@ def _run_task(task):
     try:
         if scenario is not None:
             sc = next(s for s in SCENARIOS if s.name == scenario)
-            verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], sc.config, sc)
+            verdict, seconds, cex, spent = check(invariant, ALL_POLICIES[policy], sc.config, sc)
         else:
-            verdict, seconds, cex = check(invariant, ALL_POLICIES[policy], _configs()[index])
+            verdict, seconds, cex, spent = check(invariant, ALL_POLICIES[policy], _configs()[index])
     except Exception as exc:  # a spec or lowering error is a failed check, reported with its cause
-        return task, "ERROR", 0.0, {"error": f"{type(exc).__name__}: {exc}"}
-    return task, verdict, seconds, cex
+        return task, "ERROR", 0.0, {"error": f"{type(exc).__name__}: {exc}"}, 0
+    return task, verdict, seconds, cex, spent
 
 
 def tasks(only_catalogue_for_bad: bool = True):
@@ -107,10 +107,12 @@ def run(jobs: int | None = None) -> list[Verdict]:
     verdicts: dict[tuple, Verdict] = {}
     cfgs = _configs()
     rank = {"PROVED": 0, "REFUTED": 1, "UNKNOWN": 2, "REPLAY-MISMATCH": 3, "ERROR": 4}
-    for (inv_name, policy, index, scenario), verdict, seconds, cex in results:
+    for (inv_name, policy, index, scenario), verdict, seconds, cex, spent in results:
         key = (inv_name if scenario is None else f"{inv_name}@{scenario}", policy)
         v = verdicts.setdefault(key, Verdict(key[0], policy, "PROVED"))
         v.seconds += seconds
+        v.rlimit += spent
+        v.max_rlimit = max(v.max_rlimit, spent)
         label = cfgs[index].label if scenario is None else scenario
         v.configs.append(label)
         if rank[verdict] > rank[v.verdict]:
@@ -181,11 +183,12 @@ def _cache(cex: dict) -> str:
 
 
 def table(verdicts: list[Verdict]) -> str:
-    lines = [f"{'invariant':58} {'policy':24} {'verdict':9} {'configs':>7} {'seconds':>8}  counterexample",
-             "-" * 150]
+    lines = [f"{'invariant':58} {'policy':24} {'verdict':9} {'configs':>7} {'seconds':>8} {'rlimit M':>8}  "
+             "counterexample", "-" * 160]
     for v in verdicts:
         count = f"{v.refuted}/{len(v.configs)}" if v.verdict == "REFUTED" else str(len(v.configs))
-        lines.append(f"{v.invariant:58} {v.policy:24} {v.verdict:9} {count:>7} {v.seconds:8.2f}  "
+        lines.append(f"{v.invariant:58} {v.policy:24} {v.verdict:9} {count:>7} {v.seconds:8.2f} "
+                     f"{v.rlimit / 1e6:8.1f}  "
                      f"{_summary(v.counterexample) if v.verdict == 'REFUTED' else v.note if v.verdict != 'PROVED' else ''}")
     return "\n".join(lines)
 
@@ -228,8 +231,11 @@ def main(argv=None) -> int:
     else:
         print(table(verdicts))
         print("\n" + findings(verdicts))
-        print(f"\n{len(_configs())} configurations, {len(verdicts)} verdicts, "
-              f"{time.perf_counter() - start:.1f} s wall")
+        checks = sum(len(v.configs) for v in verdicts)
+        print(f"\n{len(_configs())} configurations, {len(verdicts)} verdicts of {checks} checks, "
+              f"{time.perf_counter() - start:.1f} s wall, {sum(v.seconds for v in verdicts):.1f} s of checks, "
+              f"rlimit {sum(v.rlimit for v in verdicts) / 1e6:.1f} M (largest check "
+              f"{max((v.max_rlimit for v in verdicts), default=0) / 1e6:.1f} M)")
     if args.write_vectors:
         print(f"wrote {write_vectors(verdicts)} counterexample vectors to {VECTORS}", file=sys.stderr)
     if problems:

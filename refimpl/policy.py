@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: d6028e28063bb046ad7c9e3cc1e3691d696b78babbff5b4a2360369249e4b7fa
-output-sha256: d821509d2806fad3786eaf3f11e73c6633d98b433ad861ad3a5a7e329e2e3a61
+spec-sha256: 3bfd62bd327537a15f4ef308229febbdebb2183279245f3e80acaf1a0b7157b2
+output-sha256: b01f1158eced5091c6e98b18646dfe57e702a8164c54c8090d5115f49a5d7df5
 """
 
 import itertools
@@ -529,11 +529,19 @@ def layers(group):
         return (group,)
     return tuple(group)
 
+def holds_some(held, x):
+    """Whether some layer in ``held`` holds the hash of the block ending at token ``x`` (Python only; a
+    loop, which a single layer reads as fast as :func:`holds` alone)."""
+    for g in held:
+        if holds(g, x):
+            return True
+    return False
+
 def written_cache(groups):
     """A cache whose group ``k`` holds what ``groups[k]`` says: a :class:`Held`, or a tuple of
     :class:`Held` layers, of which it holds the union (a boundary is held when some layer holds it)."""
     held = tuple((layers(g) for g in groups))
-    return CacheState(lambda k, x: any((holds(g, x) for g in held[k])))
+    return CacheState(lambda k, x: holds_some(held[k], x))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1090,18 +1098,20 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
 
     vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
-    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`,
-    and vLLM's boundaries too, so that it never keeps less than vLLM does: a prompt that diverges from this
-    one inside its last blocks resumes at vLLM's lower boundary (``reference_never_below_vllm``; DeepSeek-V4,
-    drop, ``R = 0``: a prompt sharing 20220 of a 45591-token prompt hits 16384 there).
+    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
+
+    Not kept by the reference: vLLM's lower EAGLE boundaries, which a prompt diverging from this one inside
+    its last blocks resumes at under vLLM (DeepSeek-V4, drop, ``R = 0``: a prompt sharing 20220 tokens of a
+    45591-token one hits 16384 under vLLM, 0 under the reference), so ``reference_never_below_vllm`` is
+    refuted on such layouts (they are ``--extended``); keeping them too costs the write-side checks several
+    times their solver time.
     """
-    if rules.replay == 'prompt_end':
+    if rules.replay == 'resume':
+        return resume_points(sizes, n_tokens, rules, read)
+    if rules.replay == 'prompt_end' or not sizes.drop:
         return (n_tokens - 1,)
-    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == 'resume' else ()
-    if not sizes.drop:
-        return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
-    return ours + (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
+    return (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
 
 def junction_boundaries(sizes: Sizes, k, junction):
     """The junction, and for a dropping group one block below it (a sibling that diverges right after
@@ -1221,8 +1231,6 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     extent = group_extent(sizes, k, n_tokens)
     aligned = tuple((x // sizes.alignment * sizes.alignment for x in boundaries))
     if rules.replay == 'resume':
-        if unit != b:
-            aligned += tuple((x // b * b for x in boundaries))
         points = tuple((x if x > 0 and x > start and (x <= extent) else NO_JUNCTION for x in aligned))
         every = interval is None or (interval == 0 and (not rules.sparse_zero))
         period = interval if interval is not None and interval > 0 else 0

@@ -206,18 +206,20 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
 
     vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
-    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`,
-    and vLLM's boundaries too, so that it never keeps less than vLLM does: a prompt that diverges from this
-    one inside its last blocks resumes at vLLM's lower boundary (``reference_never_below_vllm``; DeepSeek-V4,
-    drop, ``R = 0``: a prompt sharing 20220 of a 45591-token prompt hits 16384 there).
+    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
+
+    Not kept by the reference: vLLM's lower EAGLE boundaries, which a prompt diverging from this one inside
+    its last blocks resumes at under vLLM (DeepSeek-V4, drop, ``R = 0``: a prompt sharing 20220 tokens of a
+    45591-token one hits 16384 under vLLM, 0 under the reference), so ``reference_never_below_vllm`` is
+    refuted on such layouts (they are ``--extended``); keeping them too costs the write-side checks several
+    times their solver time.
     """
-    if rules.replay == "prompt_end":
+    if rules.replay == "resume":
+        return resume_points(sizes, n_tokens, rules, read)
+    if rules.replay == "prompt_end" or not sizes.drop:
         return (n_tokens - 1,)
-    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == "resume" else ()
-    if not sizes.drop:
-        return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
-    return ours + (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
+    return (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
 
 
 def junction_boundaries(sizes: Sizes, k, junction):
@@ -348,8 +350,6 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     extent = group_extent(sizes, k, n_tokens)
     aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
     if rules.replay == "resume":  # one state per interval, each at a boundary the read side can use
-        if unit != b:  # read at hash granularity: also the block's state vLLM's mask keeps at each boundary
-            aligned += tuple(floor_to(x, b) for x in boundaries)
         # a state at or below the hit was an earlier request's: this one computes from its hit on
         points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_JUNCTION) for x in aligned)
         every = interval is None or (interval == 0 and not rules.sparse_zero)

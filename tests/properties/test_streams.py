@@ -1,8 +1,10 @@
 """The stream claims on concrete streams: ``reference_never_below_vllm`` and
 ``a_shared_prefix_is_kept_at_the_junction``, each evaluated through its claim function (the one definition the
-prover lowers to Z3) with the generated ``refimpl`` on random prompts and shared lengths, over the write
-side's extended domain (every layout with a sliding-window or Mamba group, every DCP size and retention
-interval, including the layouts ``make prove`` leaves to ``--extended``)."""
+prover lowers to Z3) with the generated ``refimpl`` on random prompts and shared lengths: dominance over
+the write side's default domain (on DeepSeek-V4 and on Mamba read at hash granularity the reference does
+not keep vLLM's lower EAGLE boundaries, see ``kvhit.spec.retention.replay_boundaries``), the junction claim
+over the extended one (every layout with a sliding-window or Mamba group, every DCP size and retention
+interval)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,13 +17,14 @@ from kvhit.spec.domain import Speculation
 from kvhit.spec.policy import ALL_POLICIES
 
 CONFIGS = write_configs(extended=True)
+DEFAULT = write_configs(extended=False)
 
 
 @st.composite
-def streams(draw):
+def streams(draw, configs=CONFIGS):
     """A write-side configuration and the values of a stream's symbols: prompts up to 8 scheduler blocks,
     the second a resend, a longer sibling, a truncation or a diverging prompt, the third following either."""
-    config = draw(st.sampled_from(CONFIGS))
+    config = draw(st.sampled_from(configs))
     s = ReplayContext(config, ALL_POLICIES["reference"], {"N": 1}, None).sizes().scheduler_block
     length = st.integers(1, 8 * s)
     n, n2, n3 = draw(length), draw(length), draw(length)
@@ -48,7 +51,7 @@ def _holds(claim, config, policy, values):
 
 
 @settings(max_examples=400, deadline=None)
-@given(stream=streams())
+@given(stream=streams(DEFAULT))
 def test_reference_is_never_below_vllm_on_concrete_streams(stream):
     config, values = stream
     holds, shown = _holds(reference_never_below_vllm, config, "reference", values)
