@@ -70,8 +70,6 @@ class Invariant:
         refuted_by: known-bad variants that must refute it (non-vacuity).
         write_side: it speaks about the cache a request leaves (configurations with a retention interval).
         heavy: configurations checked only by ``kvhit prove --extended`` (too slow for the default run).
-        witness: write-side configurations where the default run also runs the known-bad variants (besides
-            the report's setting, :func:`kvhit.proofs.runner._write_witness`).
     """
 
     name: str
@@ -83,7 +81,6 @@ class Invariant:
     witnesses: int = 1
     write_side: bool = False
     heavy: Callable[[Config], bool] = lambda config: False
-    witness: Callable[[Config], bool] = lambda config: False
 
     @property
     def formula(self) -> str:
