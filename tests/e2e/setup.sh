@@ -9,7 +9,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${VENV:-$ROOT/.venv-e2e}"
 REQ="$ROOT/requirements/vllm-033-cpu-full.txt"
-WHEEL="${WHEEL:?WHEEL must name kvhit's built wheel (make dist)}"
+WHEEL="${WHEEL:?set WHEEL to the wheel make dist built}"
 WHEELDIR="${KVHIT_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvhit/wheels}"
 # pytest and its dependencies, as pinned for the main venv (pyproject.toml's [test] extra); packaging and
 # pygments come from the lock.
