@@ -82,8 +82,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+import kvhit
 from kvhit.refimpl import (
     REFERENCE,
+    VLLM_0_33,
     CacheState,
     Group,
     Kind,
@@ -790,6 +792,50 @@ ENFORCE_FALLBACKS = Counter(
 UNMODELLED_LAYOUTS = Counter(
     "kvhit_unmodelled_layouts",
     "Scheduler KV-cache coordinators left wholly to vLLM: a layout, setting or argument kvhit does not model.")
+# In vLLM's naming and per mode, what `kvhit status` reports: how many lookups kvhit computed, and how far
+# their reference hits were from vLLM 0.33's (in shadow the two divergence counters above, by mode).
+LOOKUPS = Counter(
+    "vllm:kvhit_lookups",
+    "Scheduler prefix-cache lookups whose reference hit kvhit computed (shadow: beside vLLM's; enforce: as "
+    "the answer).",
+    ["layout", "mode"])
+MODE_DIVERGENCES = Counter(
+    "vllm:kvhit_hit_divergences",
+    "Those lookups whose reference hit differs from vLLM 0.33's on the same cache.",
+    ["layout", "mode", "direction"])
+MODE_DIVERGENCE_TOKENS = Counter(
+    "vllm:kvhit_hit_divergence_tokens",
+    "Sum of |reference hit - vLLM 0.33's hit| over those lookups: the prompt tokens enforce gains "
+    "(reference_longer) or loses (reference_shorter) against stock; in shadow, would.",
+    ["layout", "mode", "direction"])
+
+
+def count_lookup(model: CoordinatorModel, reference: int, stock: int) -> None:
+    """Count one lookup, in the installed mode, whose reference hit is ``reference`` and vLLM 0.33's
+    ``stock``."""
+    LOOKUPS.labels(model.label, _mode).inc()
+    if reference == stock:
+        return
+    direction = "reference_longer" if reference > stock else "reference_shorter"
+    MODE_DIVERGENCES.labels(model.label, _mode, direction).inc()
+    MODE_DIVERGENCE_TOKENS.labels(model.label, _mode, direction).inc(abs(reference - stock))
+    if _mode == "shadow":
+        HIT_DIVERGENCES.labels(model.label, direction).inc()
+        HIT_DIVERGENCE_TOKENS.labels(model.label, direction).inc(abs(reference - stock))
+
+
+def count_enforced(model: CoordinatorModel, hit: int, n_tokens: int) -> None:
+    """Count an enforced lookup of ``n_tokens`` that answered ``hit`` against what stock vLLM 0.33 would have
+    answered on the same cache: ``refimpl``'s ``vllm_0_33`` read side (vLLM's own hit on every lookup
+    tests/conformance compares) on the :class:`PoolCache` the lookup has just read, so the pool is asked
+    only what the reference did not ask already. Never raises."""
+    try:
+        stock = hit_tokens(model.cache, model.sizes, n_tokens, VLLM_0_33)[0]
+    except Exception as e:  # noqa: BLE001 - counting must not take the scheduler down
+        _fallback_log(logging.ERROR, "kvhit enforce: vLLM 0.33's hit on layout %s not computed, lookup not "
+                      "counted: %s: %s", model.label, type(e).__name__, e)
+        return
+    count_lookup(model, hit, stock)
 
 
 class _BoundedLog:
@@ -881,14 +927,19 @@ STATUS_FILE_ENV = "KVHIT_STATUS_FILE"
 def write_status(model: CoordinatorModel | None, unmodelled: str | None = None) -> None:
     """Write the scheduler's layout as kvhit saw it to the JSON file ``KVHIT_STATUS_FILE`` names, if set.
 
-    For tools outside the engine-core process (the end-to-end test predicts hits from it). The layout and
-    speculation are the arguments of ``refimpl.Layout`` / ``refimpl.Speculation``; ``unmodelled`` is the
-    reason a layout is left to vLLM. Written atomically; never raises.
+    For tools outside the engine-core process (``kvhit status``; the end-to-end test predicts hits from it).
+    The layout and speculation are the arguments of ``refimpl.Layout`` / ``refimpl.Speculation``;
+    ``unmodelled`` is the reason a layout is left to vLLM, ``write_side`` whose write side it has; ``kvhit``
+    and ``kvhit_path`` the version and folder of the kvhit this process imported; and
+    ``prometheus_multiproc_dir`` whether vLLM's ``/metrics`` can show this process's counters. Written
+    atomically; never raises.
     """
     path = os.environ.get(STATUS_FILE_ENV)
     if not path:
         return
-    status: dict = {"pid": os.getpid(), "vllm": VLLM_VERSION, "mode": _mode, "modelled": model is not None}
+    status: dict = {"pid": os.getpid(), "vllm": VLLM_VERSION, "kvhit": kvhit.__version__,
+                    "kvhit_path": os.path.dirname(kvhit.__file__), "mode": _mode, "modelled": model is not None,
+                    "prometheus_multiproc_dir": bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))}
     if model is None:
         status["unmodelled"] = unmodelled
     else:
@@ -905,7 +956,8 @@ def write_status(model: CoordinatorModel | None, unmodelled: str | None = None) 
                          "num_speculative_tokens": model.speculation.num_speculative_tokens,
                          "multi_module_mtp": model.speculation.multi_module_mtp},
             sizes={"scheduler_block": model.sizes.scheduler_block, "hash_block": model.sizes.hash_block,
-                   "alignment": model.sizes.alignment})
+                   "alignment": model.sizes.alignment},
+            write_side="reference" if model.write is not None else f"vLLM's ({model.write_note})")
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -937,20 +989,21 @@ def _find_longest_cache_hit_seam(original: Callable, owner: str) -> Callable:
                               model.label, type(e).__name__, e)
                 return result
             stock = result[1]
+            count_lookup(model, reference, stock)
             if reference != stock:
-                direction = "reference_longer" if reference > stock else "reference_shorter"
-                HIT_DIVERGENCES.labels(model.label, direction).inc()
-                HIT_DIVERGENCE_TOKENS.labels(model.label, direction).inc(abs(reference - stock))
                 _divergence_log(logging.WARNING,
                                 "kvhit shadow: hit differs on layout %s: N=%d vLLM=%d reference=%d",
                                 model.label, max_cache_hit_length + 1, stock, reference)
             return result
         try:
-            return enforced_hit(coordinator, model, block_hashes, max_cache_hit_length)
+            result = enforced_hit(coordinator, model, block_hashes, max_cache_hit_length)
         except _Stock as e:
             log_once(logging.INFO, "kvhit enforce: left to vLLM: %s", e)
         except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down; counted and logged
             _fall_back(model, e)
+        else:
+            count_enforced(model, result[1], max_cache_hit_length + 1)
+            return result
         return original(coordinator, block_hashes, max_cache_hit_length)
 
     find_longest_cache_hit.__qualname__ = f"{owner}.find_longest_cache_hit"
