@@ -1,14 +1,19 @@
-"""The ``kvhit`` command: ``prove``, ``gen``, and the operator tools ``explain`` and ``plan``.
+"""The ``kvhit`` command: ``prove``, ``gen``, and the operator tools ``explain``, ``plan`` and ``status``.
 
 ``prove`` and ``gen`` need z3 and the spec; ``explain`` and ``plan`` use only the generated refimpl (and
-the catalogue's data), so they run where neither z3 nor vLLM is installed.
+the catalogue's data), so they run where neither z3 nor vLLM is installed; ``status`` reads a running
+server's ``/metrics`` and the plugin's status file with the standard library.
 """
 
 import argparse
 import json
+import os
 import sys
 
-COMMANDS = ("prove", "gen", "explain", "plan")
+import kvhit
+
+COMMANDS = ("prove", "gen", "explain", "plan", "status")
+OPERATOR_COMMANDS = ("explain", "plan", "status")
 
 
 def _int_or_none(text):
@@ -110,6 +115,23 @@ def _plan_parser(sub):
                    help="worker processes for large workloads (default: the CPUs available; 1: no workers)")
 
 
+def _status_parser(sub):
+    p = sub.add_parser("status", help="what the kvhit plugin did on a running vLLM server")
+    p.add_argument("--url", metavar="URL",
+                   help="the server's base URL (e.g. http://127.0.0.1:8000); kvhit's counters are read from "
+                        "URL/metrics")
+    p.add_argument("--status-file", metavar="FILE", default=None,
+                   help="the JSON file the plugin writes (default: $KVHIT_STATUS_FILE)")
+    p.add_argument("--json", action="store_true", help="print JSON (schema kvhit.status/1)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until interrupted")
+
+
+def version():
+    """``kvhit <version> (<folder kvhit is imported from>)``."""
+    return f"kvhit {kvhit.__version__} ({os.path.dirname(os.path.abspath(kvhit.__file__))})"
+
+
 def _fail(command, message):
     print(f"kvhit {command}: error: {message}", file=sys.stderr)
     return 2
@@ -172,16 +194,23 @@ def _plan(args):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("explain", "plan"):
+    if argv and argv[0] in OPERATOR_COMMANDS:
         parser = argparse.ArgumentParser(prog="kvhit", description="vLLM's prefix-cache hit length, checked")
         sub = parser.add_subparsers(dest="command", required=True)
         _explain_parser(sub)
         _plan_parser(sub)
+        _status_parser(sub)
         args = parser.parse_args(argv)
+        if args.command == "status":
+            from kvhit import status
+
+            return status.main(args.url, args.status_file, args.json, args.watch)
         return _explain(args) if args.command == "explain" else _plan(args)
     parser = argparse.ArgumentParser(prog="kvhit", description="vLLM's prefix-cache hit length, checked")
+    parser.add_argument("--version", action="version", version=version())
     parser.add_argument("command", choices=COMMANDS, help="prove: run every invariant; gen: regenerate "
-                        "refimpl/ from the spec; explain: derive one hit; plan: rank settings for a workload")
+                        "refimpl/ from the spec; explain: derive one hit; plan: rank settings for a workload; "
+                        "status: what the vLLM plugin did on a running server")
     args, _ = parser.parse_known_args(argv[:1])
     if args.command == "prove":
         from kvhit.proofs.runner import main as prove
