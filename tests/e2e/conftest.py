@@ -1,5 +1,6 @@
 """End-to-end fixtures: tiny models built once, one `vllm serve` run per (speculative mode, KVHIT_MODE).
-The shadow server runs with PROMETHEUS_MULTIPROC_DIR so that /metrics shows kvhit's counters.
+The shadow and enforce servers run with PROMETHEUS_MULTIPROC_DIR so that /metrics shows kvhit's counters;
+`kvhit status` reads each server before it stops.
 
 Runs only in the end-to-end venv (`make e2e`, which passes --confcutdir so the parent conftest, and its
 hypothesis import, are not loaded). Server logs and kvhit's status files go to KVHIT_E2E_OUT (default
@@ -46,7 +47,7 @@ def serve(models):
         if key not in _runs:
             print(f"\n[e2e] vllm serve: {spec_mode}, KVHIT_MODE={kvhit_mode}", flush=True)
             extra_env = {}
-            if kvhit_mode == "shadow":
+            if kvhit_mode != "off":
                 # kvhit's counters live in the engine-core process; vLLM's /metrics serves them only in
                 # prometheus_client's multiprocess mode, with a fresh directory.
                 extra_env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="prometheus-", dir=OUT)
@@ -74,8 +75,11 @@ def pytest_sessionfinish(session, exitstatus):
         cached = {n: (run.first[n].cached_tokens, run.repeat[n].cached_tokens) for n in run.repeat}
         print(f"\n[e2e] {spec_mode:<9} KVHIT_MODE={kvhit_mode:<7} healthy after {run.start_s:5.1f} s; "
               f"cached_tokens (first, repeat) per prompt length: {cached}")
+        if "text" in run.kvhit_status and kvhit_mode != "off":
+            print(f"[e2e] kvhit status of that server:\n{run.kvhit_status['text'].stdout}", end="")
         results.append({"spec_mode": spec_mode, "kvhit_mode": kvhit_mode, "start_s": round(run.start_s, 1),
                         "error": run.error, "status": run.status(),
+                        "kvhit_status": {form: vars(p) for form, p in run.kvhit_status.items()},
                         "replies": {n: {"first": vars(run.first[n]), "repeat": vars(run.repeat[n])}
                                     for n in run.repeat}})
     with open(os.path.join(OUT, "results.json"), "w") as f:

@@ -47,6 +47,7 @@ class Run:
     first: dict[int, Reply] = dataclasses.field(default_factory=dict)
     repeat: dict[int, Reply] = dataclasses.field(default_factory=dict)
     metrics: str = ""
+    kvhit_status: dict[str, subprocess.CompletedProcess] = dataclasses.field(default_factory=dict)
     error: str | None = None
 
     def log(self) -> str:
@@ -81,10 +82,9 @@ def speculative_config(draft: str, spec_mode: str) -> dict:
 
 
 def serve_command(target: str, draft: str, port: int, spec_mode: str) -> list[str]:
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
-    return [vllm, "serve", target, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE),
-            "--enforce-eager", "--max-model-len", "2048", "--dtype", "float32",
+    return [installed_command("vllm"), "serve", target, "--served-model-name", "tiny", "--host", "127.0.0.1",
+            "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "2048", "--dtype", "float32",
             "--speculative-config", json.dumps(speculative_config(draft, spec_mode))]
 
 
@@ -95,6 +95,18 @@ def server_env(kvhit_mode: str, status_path: str, extra: dict[str, str] | None =
                KVHIT_MODE=kvhit_mode, KVHIT_STATUS_FILE=status_path)
     env.update(extra or {})
     return env
+
+
+def installed_command(name: str) -> str:
+    """A console script of this venv (``vllm``, ``kvhit``)."""
+    return os.path.join(os.path.dirname(sys.executable), name)
+
+
+def kvhit_status(base_url: str, status_path: str) -> dict[str, subprocess.CompletedProcess]:
+    """``kvhit status`` of a running server, as an operator runs it: ``text`` and ``json``."""
+    command = [installed_command("kvhit"), "status", "--url", base_url, "--status-file", status_path]
+    return {form: subprocess.run(command + extra, capture_output=True, text=True, timeout=60)
+            for form, extra in (("text", []), ("json", ["--json"]))}
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> float:
@@ -158,6 +170,7 @@ def serve_and_query(models: str, spec_mode: str, kvhit_mode: str, lengths: list[
                                     r.choices[0].text)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 run.metrics = r.read().decode()
+            run.kvhit_status = kvhit_status(f"http://127.0.0.1:{port}", run.status_path)
         except Exception as e:  # noqa: BLE001 - reported by the tests, with the log kept
             run.error = f"{type(e).__name__}: {e}"
         finally:

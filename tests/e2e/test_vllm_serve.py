@@ -12,17 +12,33 @@ shadow's /metrics counts exactly the repeats where the two differ.
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
 import re
+import subprocess
+import sys
+import sysconfig
+import tomllib
 
 import pytest
-from server import LENGTHS, SPEC_MODES, cache_config_block_size, counter_total
+from server import LENGTHS, SPEC_MODES, cache_config_block_size, counter_total, installed_command, server_env
 
+import kvhit
 from kvhit.refimpl import (REFERENCE, VLLM_0_33, Group, Layout, Speculation, derive_sizes, hit,
                            hit_tokens, request_writes, written_cache)
 
 RETENTION_INTERVAL = 0   # vLLM 0.33's default prefix_cache_retention_interval (the server does not set it)
 POLICY_OF_MODE = {"enforce": REFERENCE, "shadow": VLLM_0_33, "off": VLLM_0_33}
 KVHIT_MODES = list(POLICY_OF_MODE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Where the built wheel put kvhit in this venv (tests/e2e/setup.sh); the checkout must not be imported.
+INSTALLED_KVHIT = os.path.realpath(os.path.join(sysconfig.get_paths()["purelib"], "kvhit"))
+
+
+def pyproject_version() -> str:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["version"]
 
 
 def engine_layout(status: dict) -> tuple[Layout, Speculation]:
@@ -43,6 +59,13 @@ def predicted_cached_tokens(layout: Layout, speculation: Speculation, n: int, ru
     first = hit(layout, speculation, n, [0] * len(sizes.groups), rules.name)
     left = written_cache(request_writes(sizes, n, RETENTION_INTERVAL, VLLM_0_33))
     return first, hit_tokens(left, sizes, n, rules)[0]
+
+
+def predicted_divergences(layout: Layout, speculation: Speculation) -> list[int]:
+    """Reference hit - vLLM 0.33's hit, for every request (first and repeat of each prompt) where they differ."""
+    return [ours - stock for n in LENGTHS
+            for ours, stock in zip(predicted_cached_tokens(layout, speculation, n, REFERENCE),
+                                   predicted_cached_tokens(layout, speculation, n, VLLM_0_33)) if ours != stock]
 
 
 def kvhit_lines(log: str) -> list[str]:
@@ -116,12 +139,7 @@ def test_enforce_keeps_the_block_vllm_0_33_drops_on_block_aligned_prompts(serve,
 
 @pytest.mark.parametrize("spec_mode", SPEC_MODES)
 def test_shadow_metrics_count_the_repeats_where_reference_and_vllm_differ(serve, layout_of, spec_mode):
-    layout, speculation = layout_of(spec_mode)
-    gaps = []
-    for n in LENGTHS:
-        ours = predicted_cached_tokens(layout, speculation, n, REFERENCE)
-        stock = predicted_cached_tokens(layout, speculation, n, VLLM_0_33)
-        gaps += [abs(a - b) for a, b in zip(ours, stock) if a != b]
+    gaps = [abs(d) for d in predicted_divergences(*layout_of(spec_mode))]
     metrics = serve(spec_mode, "shadow").metrics
     if gaps:   # a labelled counter appears on /metrics once it has a sample
         assert "kvhit_hit_divergences_total{" in metrics
@@ -140,3 +158,94 @@ def test_greedy_outputs_are_identical_in_every_kvhit_mode(serve, spec_mode):
                 kvhit_mode, n)
     for n in LENGTHS:
         assert off.repeat[n].text == off.first[n].text, n
+
+
+def test_kvhit_is_imported_from_the_built_wheel():
+    """This process imports kvhit from the venv's site-packages, installed from dist/'s wheel: not the checkout
+    (pytest runs with ``python -P``) and not an editable install."""
+    assert os.path.realpath(os.path.dirname(kvhit.__file__)) == INSTALLED_KVHIT
+    dist = importlib.metadata.distribution("kvhit")
+    assert dist.version == kvhit.__version__ == pyproject_version()
+    origin = json.loads(dist.read_text("direct_url.json"))
+    wheel = f"/dist/kvhit-{dist.version}-py3-none-any.whl"
+    assert origin["url"].endswith(wheel) and "dir_info" not in origin, origin
+
+
+def test_vllm_load_general_plugins_installs_the_wheels_kvhit(tmp_path):
+    """vLLM's own plugin loading (what every vLLM process does) finds the wheel's entry point and installs it."""
+    code = ("import vllm.plugins, kvhit, kvhit.adapters.vllm as k; vllm.plugins.load_general_plugins(); "
+            "print(k.current_mode(), kvhit.__file__)")
+    env = server_env("enforce", str(tmp_path / "status.json"))
+    p = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    mode, path = p.stdout.split()[-2:]
+    assert (mode, os.path.realpath(os.path.dirname(path))) == ("enforce", INSTALLED_KVHIT), p.stdout
+    [entry] = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kvhit"]
+    assert (entry.value, entry.dist.version) == ("kvhit.adapters.vllm:register", pyproject_version())
+
+
+def test_the_wheels_kvhit_command_prints_its_version_and_explains():
+    kvhit_command = installed_command("kvhit")
+    version = subprocess.run([kvhit_command, "--version"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert version.stdout == f"kvhit {pyproject_version()} ({INSTALLED_KVHIT})\n", version
+    explain = subprocess.run([kvhit_command, "explain", "full16", "1024", "--speculative", "drop"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+    expected = hit(Layout((Group("full", 16),)), Speculation("drop", 1), 1024, [1024], "reference")
+    assert explain.returncode == 0, explain.stderr
+    assert f"policy reference (reference): hit {expected} on the first repeat" in explain.stdout
+
+
+def status_report(run) -> dict:
+    """``kvhit status --json`` of a server, read while it ran."""
+    p = run.kvhit_status["json"]
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("kvhit_mode", ["enforce", "shadow"])
+@pytest.mark.parametrize("spec_mode", SPEC_MODES)
+def test_kvhit_status_reports_the_server_as_it_ran(serve, spec_mode, kvhit_mode):
+    """Versions, mode and layout as the engine core wrote them (with the wheel's kvhit imported there), and one
+    lookup per request, none fallen back."""
+    run = serve(spec_mode, kvhit_mode)
+    status, rep = run.status(), status_report(run)
+    assert (rep["vllm"], rep["kvhit"], rep["mode"], rep["pid"], rep["modelled"]) == (
+        "0.33.0", pyproject_version(), kvhit_mode, status["pid"], True)
+    assert os.path.realpath(rep["kvhit_path"]) == INSTALLED_KVHIT
+    assert rep["layout"]["label"] == status["label"] and rep["layout"]["sizes"]["scheduler_block"] == (
+        status["sizes"]["scheduler_block"])
+    c = rep["counters"]
+    assert rep["notes"] == [] and c["modes"] == [kvhit_mode] and c["layouts"] == [status["label"]]
+    assert (c["lookups"], c["enforce_fallbacks"], c["unmodelled_layouts"]) == (2 * len(LENGTHS), 0, 0)
+    text = run.kvhit_status["text"]
+    assert text.returncode == 0 and f"layout: {status['label']} (modelled)" in text.stdout, text
+
+
+@pytest.mark.parametrize("spec_mode", SPEC_MODES)
+def test_kvhit_status_in_shadow_would_gain_the_divergences_counted(serve, layout_of, spec_mode):
+    divergences = predicted_divergences(*layout_of(spec_mode))
+    run = serve(spec_mode, "shadow")
+    c = status_report(run)["counters"]
+    assert c["tokens_gained"] == sum(divergences)
+    shadow_tokens = counter_total(run.metrics, "kvhit_hit_divergence_tokens_total")   # the shadow-only one
+    assert sum(c["divergence_tokens"].values()) == shadow_tokens
+    assert sum(c["divergences"].values()) == len(divergences)
+
+
+@pytest.mark.parametrize("spec_mode", SPEC_MODES)
+def test_kvhit_status_in_enforce_gained_what_the_served_cached_tokens_show(serve, spec_mode):
+    """Enforce's tokens gained are the differences of ``cached_tokens`` from the ``off`` server's, request by
+    request."""
+    enforce, off = serve(spec_mode, "enforce"), serve(spec_mode, "off")
+    observed = [ours.cached_tokens - stock.cached_tokens for n in LENGTHS
+                for ours, stock in ((enforce.first[n], off.first[n]), (enforce.repeat[n], off.repeat[n]))
+                if ours.cached_tokens != stock.cached_tokens]
+    c = status_report(enforce)["counters"]
+    assert (c["tokens_gained"], sum(c["divergences"].values())) == (sum(observed), len(observed))
+
+
+def test_kvhit_status_of_an_off_server_names_the_missing_status_file(serve):
+    p = serve("drop", "off").kvhit_status["text"]
+    assert (p.returncode, p.stdout) == (2, "")
+    assert p.stderr.startswith("kvhit status: error: status file ") and p.stderr.count("\n") == 1, p.stderr
