@@ -49,6 +49,7 @@ MODE_MEANING = {
 }
 ALWAYS_STOCK = "KV connectors' own coordinators (CPU offload, UMBP, Mooncake store); lookups capped below N - 1"
 KIND_NAMES = {"full": "full attention", "swa": "sliding window", "mamba": "Mamba", "chunked": "chunked local"}
+NOT_COUNTED = "not counted (start vllm serve with KVHIT_COUNT_GAINS=1 to count them in enforce)"
 NO_COUNTERS = ("no kvhit counters on /metrics: kvhit is off there, or vllm serve was started without "
                "PROMETHEUS_MULTIPROC_DIR (the counters live in the engine-core process)")
 
@@ -202,9 +203,9 @@ def stock_paths(status: dict | None, mode: str | None, found: dict | None) -> li
     if status is not None and not status["modelled"]:
         out.append(f"every lookup and write on this layout: not modelled ({status.get('unmodelled')})")
     elif mode == "shadow":
-        out.append("every hit (shadow serves vLLM's); KV connectors' per-group lookup "
-                   "(get_computed_blocks_for_connector) is not compared")
-    if status is not None and status.get("write_side", "reference") != "reference":
+        out.append("every hit and every write (shadow changes nothing); KV connectors' per-group lookup is "
+                   "not compared")
+    elif status is not None and status.get("write_side", "reference") != "reference":
         out.append(f"write side: {status['write_side']}")
     if found and found["enforce_fallbacks"]:
         out.append(f"{found['enforce_fallbacks']} enforced lookups answered by vLLM after a kvhit failure "
@@ -233,7 +234,9 @@ def report(status: dict | None, samples: list | None, url: str | None = None,
                                                "write_side")})
         if status["modelled"]:
             out["layout"] = layout_report(status)
-    out.update(stock=stock_paths(status, mode, found), counters=found, notes=notes)
+    # Enforce compares its hits with vLLM's only when asked (the plugin's KVHIT_COUNT_GAINS); shadow always.
+    gains_counted = mode != "enforce" or status is None or status.get("count_gains", True)
+    out.update(stock=stock_paths(status, mode, found), counters=found, gains_counted=gains_counted, notes=notes)
     return out
 
 
@@ -269,18 +272,21 @@ def render(rep: dict) -> str:
                     f"(KV-cache groups {members}){drop}")
         else:
             add(f"    ({layout['derive_error']}: the margins are not shown)")
-        add(f"  write side: {rep['write_side'] or '?'}")
+        add(f"  write side{' under enforce' if mode == 'shadow' else ''}: {rep['write_side'] or '?'}")
     add("  left to vLLM:")
     lines += [f"    - {line}" for line in rep["stock"]]
     c = rep["counters"]
     if c is not None:
         d, t = c["divergences"], c["divergence_tokens"]
         gained = "prompt tokens enforce would gain" if mode == "shadow" else "prompt tokens gained over stock"
+        diverged = d["reference_longer"] + d["reference_shorter"]
+        unlike = f"{diverged}" + "".join(
+            f", {d[k]} {word} by {t[k]} tokens" for k, word in (("reference_longer", "longer"),
+                                                                 ("reference_shorter", "shorter")) if d[k])
+        counted = rep["gains_counted"]
         rows = [("lookups kvhit computed", c["lookups"]),
-                ("hits unlike vLLM 0.33's", f"{d['reference_longer'] + d['reference_shorter']} "
-                 f"({d['reference_longer']} longer by {t['reference_longer']} tokens, "
-                 f"{d['reference_shorter']} shorter by {t['reference_shorter']})"),
-                (gained, c["tokens_gained"]),
+                ("hits unlike vLLM 0.33's", unlike if counted else NOT_COUNTED),
+                (gained, c["tokens_gained"] if counted else NOT_COUNTED),
                 ("enforce fallbacks", c["enforce_fallbacks"]),
                 ("unmodelled layouts", c["unmodelled_layouts"])]
         if "vllm_prefix_cache" in c:

@@ -1,5 +1,6 @@
 """The counters `kvhit status` reads (vllm:kvhit_*): lookups per mode, and how far the reference hit was
-from vLLM 0.33's; in enforce, against what stock would have answered on the same cache."""
+from vLLM 0.33's; in enforce (with KVHIT_COUNT_GAINS), against what stock would have answered on the same
+cache."""
 
 from __future__ import annotations
 
@@ -33,16 +34,23 @@ def _lookups(mode: str, n: int, repeats: int) -> tuple[list[int], tuple[float, .
     return hits, tuple(b - a for a, b in zip(before, _counts(label, mode)))
 
 
-def test_enforce_counts_the_tokens_it_gains_over_stock():
+def test_enforce_counts_the_tokens_it_gains_over_stock(monkeypatch):
     """full16, drop, N = 1024: stock answers 992 (F2), enforce 1008: 16 tokens gained per repeat (the first
     request, on an empty cache, is a lookup that gains nothing)."""
+    monkeypatch.setattr(v0_33, "COUNT_GAINS", True)
     assert _lookups("enforce", 1024, 3) == ([1008] * 3, (4, 3, 48))
+
+
+def test_enforce_counts_only_its_lookups_unless_asked_to_count_gains(monkeypatch):
+    monkeypatch.setattr(v0_33, "COUNT_GAINS", False)
+    assert _lookups("enforce", 1024, 3) == ([1008] * 3, (4, 0, 0))
 
 
 def test_shadow_counts_by_mode_what_enforce_would_gain():
     assert _lookups("shadow", 1024, 2) == ([992] * 2, (3, 2, 32))
 
 
-def test_lookups_where_the_policies_agree_count_no_divergence():
+def test_lookups_where_the_policies_agree_count_no_divergence(monkeypatch):
     """N = 1000: 62 hashes cover 992 tokens, so with the drop unit held past it both policies hit 976."""
+    monkeypatch.setattr(v0_33, "COUNT_GAINS", True)
     assert _lookups("enforce", 1000, 2) == ([976] * 2, (3, 0, 0))

@@ -1,6 +1,6 @@
 """End-to-end fixtures: tiny models built once, one `vllm serve` run per (speculative mode, KVHIT_MODE).
-The shadow and enforce servers run with PROMETHEUS_MULTIPROC_DIR so that /metrics shows kvhit's counters;
-`kvhit status` reads each server before it stops.
+The shadow and enforce servers run with PROMETHEUS_MULTIPROC_DIR so that /metrics shows kvhit's counters,
+enforce with KVHIT_COUNT_GAINS=1; `kvhit status` reads each server before it stops.
 
 Runs only in the end-to-end venv (`make e2e`, which passes --confcutdir so the parent conftest, and its
 hypothesis import, are not loaded). Server logs and kvhit's status files go to KVHIT_E2E_OUT (default
@@ -47,6 +47,8 @@ def serve(models):
         if key not in _runs:
             print(f"\n[e2e] vllm serve: {spec_mode}, KVHIT_MODE={kvhit_mode}", flush=True)
             extra_env = {}
+            if kvhit_mode == "enforce":
+                extra_env["KVHIT_COUNT_GAINS"] = "1"   # enforce counts what it gains only when asked
             if kvhit_mode != "off":
                 # kvhit's counters live in the engine-core process; vLLM's /metrics serves them only in
                 # prometheus_client's multiprocess mode, with a fresh directory.

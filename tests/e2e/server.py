@@ -89,7 +89,7 @@ def serve_command(target: str, draft: str, port: int, spec_mode: str) -> list[st
 
 
 def server_env(kvhit_mode: str, status_path: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVHIT_MODE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVHIT_MODE", "KVHIT_COUNT_GAINS")}
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1",
                KVHIT_MODE=kvhit_mode, KVHIT_STATUS_FILE=status_path)

@@ -238,6 +238,7 @@ def test_kvhit_status_in_enforce_gained_what_the_served_cached_tokens_show(serve
     """Enforce's tokens gained are the differences of ``cached_tokens`` from the ``off`` server's, request by
     request."""
     enforce, off = serve(spec_mode, "enforce"), serve(spec_mode, "off")
+    assert enforce.status()["count_gains"]
     observed = [ours.cached_tokens - stock.cached_tokens for n in LENGTHS
                 for ours, stock in ((enforce.first[n], off.first[n]), (enforce.repeat[n], off.repeat[n]))
                 if ours.cached_tokens != stock.cached_tokens]

@@ -16,7 +16,7 @@ from tests.dist.check_dist import project
 LABEL = "full32+full32e drop Lp=1"
 STATUS = {
     "pid": 4242, "vllm": "0.33.0", "kvhit": "0.1.0", "kvhit_path": "/venv/lib/python3.11/site-packages/kvhit",
-    "mode": "enforce", "modelled": True, "prometheus_multiproc_dir": True, "label": LABEL,
+    "mode": "enforce", "modelled": True, "prometheus_multiproc_dir": True, "count_gains": True, "label": LABEL,
     "layout": {"groups": [
         {"kind": "full", "block_size": 32, "window": None, "chunk": None, "dcp_sharded": True, "eagle": False,
          "tokens_per_state": 1},
@@ -46,7 +46,8 @@ vllm:cache_config_info{{block_size="32",note="a \\"quoted\\", {{braced}} value"}
 vllm:time_to_first_token_seconds_bucket{{le="+Inf",engine="0"}} 12.0
 """
 SHADOW_METRICS = METRICS.replace('mode="enforce"', 'mode="shadow"')
-STOCK_METRICS = 'vllm:prefix_cache_queries_total{engine="0"} 10.0\nvllm:prefix_cache_hits_total{engine="0"} 0.0\n'
+STOCK_METRICS = ('vllm:prefix_cache_queries_total{engine="0"} 10.0\n'
+                 'vllm:prefix_cache_hits_total{engine="0"} 0.0\n')
 
 
 @contextlib.contextmanager
@@ -124,7 +125,7 @@ def test_enforce_report_shows_the_layout_and_the_counters_of_the_server(tmp_path
     assert "drops (margin 32)" in out          # an EAGLE group in drop mode recomputes one 32-token block
     assert "write side: reference" in out
     assert _value(out, "lookups kvhit computed") == "12"
-    assert _value(out, "hits unlike vLLM 0.33's") == "4 (3 longer by 96 tokens, 1 shorter by 32)"
+    assert _value(out, "hits unlike vLLM 0.33's") == "4, 3 longer by 96 tokens, 1 shorter by 32 tokens"
     assert _value(out, "prompt tokens gained over stock") == str(96 - 32)
     assert _value(out, "enforce fallbacks") == "0"
     assert _value(out, "vLLM prefix cache") == "1280 of 2618 queried tokens hit"
@@ -136,8 +137,8 @@ def test_json_report_carries_the_same_numbers(tmp_path, capsys):
         code, out, _ = _run(capsys, "--url", url, "--status-file", _file(tmp_path, STATUS), "--json")
     rep = json.loads(out)
     assert code == 0 and rep["schema"] == "kvhit.status/1"
-    assert (rep["vllm"], rep["kvhit"], rep["mode"], rep["pid"], rep["modelled"]) == ("0.33.0", "0.1.0", "enforce",
-                                                                                     4242, True)
+    assert (rep["vllm"], rep["kvhit"], rep["mode"], rep["pid"], rep["modelled"]) == (
+        "0.33.0", "0.1.0", "enforce", 4242, True)
     assert rep["layout"]["label"] == LABEL
     sizes = rep["layout"]["sizes"]
     assert (sizes["scheduler_block"], sizes["hash_block"], sizes["alignment"]) == (32, 32, 32)
@@ -155,7 +156,17 @@ def test_shadow_reports_what_enforce_would_gain(tmp_path, capsys):
         code, out, _ = _run(capsys, "--url", url, "--status-file", _file(tmp_path, dict(STATUS, mode="shadow")))
     assert code == 0
     assert _value(out, "prompt tokens enforce would gain") == str(96 - 32)
-    assert "every hit (shadow serves vLLM's)" in out
+    assert "- every hit and every write (shadow changes nothing)" in out
+    assert "write side under enforce: reference" in out
+
+
+def test_enforce_without_counted_gains_says_so(tmp_path, capsys):
+    with fake_server(METRICS.replace("reference_", "none_")) as url:
+        path = _file(tmp_path, dict(STATUS, count_gains=False))
+        code, out, _ = _run(capsys, "--url", url, "--status-file", path)
+    assert code == 0 and _value(out, "lookups kvhit computed") == "12"
+    assert _value(out, "prompt tokens gained over stock") == _value(out, "hits unlike vLLM 0.33's") == (
+        "not counted (start vllm serve with KVHIT_COUNT_GAINS=1 to count them in enforce)")
 
 
 def test_the_status_file_is_read_from_the_environment(tmp_path, capsys, monkeypatch):
