@@ -280,9 +280,9 @@ def render(rep: dict) -> str:
         d, t = c["divergences"], c["divergence_tokens"]
         gained = "prompt tokens enforce would gain" if mode == "shadow" else "prompt tokens gained over stock"
         diverged = d["reference_longer"] + d["reference_shorter"]
-        unlike = f"{diverged}" + "".join(
-            f", {d[k]} {word} by {t[k]} tokens" for k, word in (("reference_longer", "longer"),
-                                                                 ("reference_shorter", "shorter")) if d[k])
+        parts = [f"{d[k]} {word} by {t[k]} tokens" for k, word in (("reference_longer", "longer"),
+                                                                    ("reference_shorter", "shorter")) if d[k]]
+        unlike = f"{diverged} ({', '.join(parts)})" if parts else "0"
         counted = rep["gains_counted"]
         rows = [("lookups kvhit computed", c["lookups"]),
                 ("hits unlike vLLM 0.33's", unlike if counted else NOT_COUNTED),

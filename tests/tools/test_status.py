@@ -125,7 +125,7 @@ def test_enforce_report_shows_the_layout_and_the_counters_of_the_server(tmp_path
     assert "drops (margin 32)" in out          # an EAGLE group in drop mode recomputes one 32-token block
     assert "write side: reference" in out
     assert _value(out, "lookups kvhit computed") == "12"
-    assert _value(out, "hits unlike vLLM 0.33's") == "4, 3 longer by 96 tokens, 1 shorter by 32 tokens"
+    assert _value(out, "hits unlike vLLM 0.33's") == "4 (3 longer by 96 tokens, 1 shorter by 32 tokens)"
     assert _value(out, "prompt tokens gained over stock") == str(96 - 32)
     assert _value(out, "enforce fallbacks") == "0"
     assert _value(out, "vLLM prefix cache") == "1280 of 2618 queried tokens hit"
