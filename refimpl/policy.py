@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 3bfd62bd327537a15f4ef308229febbdebb2183279245f3e80acaf1a0b7157b2
-output-sha256: b01f1158eced5091c6e98b18646dfe57e702a8164c54c8090d5115f49a5d7df5
+spec-sha256: d8db8096e3eef0842f7a4c3ade9c601a58b06ab1305f46e8cf36c524e6f4166a
+output-sha256: 2c166d993adaa62e23e05ef1b27831357d065c69f9263579b96bfaf2e4db3695
 """
 
 import itertools
@@ -1098,20 +1098,18 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the masks keep state for a later request replaying the prompt (vLLM ``replay_boundaries``).
 
     vLLM: ``N - 1`` (a resend is capped there); with an EAGLE drop, the resend's and a longer sibling's
-    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`.
-
-    Not kept by the reference: vLLM's lower EAGLE boundaries, which a prompt diverging from this one inside
-    its last blocks resumes at under vLLM (DeepSeek-V4, drop, ``R = 0``: a prompt sharing 20220 tokens of a
-    45591-token one hits 16384 under vLLM, 0 under the reference), so ``reference_never_below_vllm`` is
-    refuted on such layouts (they are ``--extended``); keeping them too costs the write-side checks several
-    times their solver time.
+    aligned boundaries one scheduler block lower. Historical: ``N - 1``. Reference: :func:`resume_points`
+    first, then vLLM's boundaries, so that it never keeps less than vLLM does: a prompt that diverges from
+    this one inside its last blocks resumes at vLLM's lower boundary under vLLM (block 32, MTP, drop,
+    ``R = 0``, ``N = 128``: vLLM keeps 64 and 96, the resume points are 96 only, and a prompt sharing 100
+    tokens of it hits 64 under vLLM; vLLM's own ``test_hybrid_mamba_retention_mtp_resend_of_aligned_prompt``;
+    DeepSeek-V4, a prompt sharing 20220 of a 45591-token prompt: 16384).
     """
-    if rules.replay == 'resume':
-        return resume_points(sizes, n_tokens, rules, read)
+    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == 'resume' else ()
     if rules.replay == 'prompt_end' or not sizes.drop:
-        return (n_tokens - 1,)
+        return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
-    return (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
+    return ours + (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
 
 def junction_boundaries(sizes: Sizes, k, junction):
     """The junction, and for a dropping group one block below it (a sibling that diverges right after

@@ -309,8 +309,9 @@ def test_a_resend_after_decoding_resumes_past_the_prefills_point_under_dcp():
     """Qwen3-Next-like, MTP 2 in drop mode, DCP 2 (full-attention block 3200, hash unit 1600), N = 8000:
     vLLM's real Scheduler (tests/adapter/test_scheduler_plugin.py, three decode steps) leaves a partial-tail
     entry at 8000 and its first repeat hits 6400. The reference keeps the Mamba state at 6400 as well as at
-    4800, where a resend of a request that ended after its prefill resumes."""
+    4800, where a resend of a request that ended after its prefill resumes, and vLLM's own boundary, one
+    scheduler block below floor(8000, 3200): 3200."""
     layout = refimpl.Layout((refimpl.Group("full", 1600, eagle=True), refimpl.Group("mamba", 1600)), dcp=2)
     sizes = refimpl.derive_sizes(layout, refimpl.Speculation("drop", 2, True))
     assert refimpl.dense_groups(sizes, 8000, True)[0].points == (8000,)
-    assert set(refimpl.replay_boundaries(sizes, 8000, refimpl.policy_rules("reference"))) == {4800, 6400}
+    assert set(refimpl.replay_boundaries(sizes, 8000, refimpl.policy_rules("reference"))) == {3200, 4800, 6400}
