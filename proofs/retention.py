@@ -43,7 +43,7 @@ def a_shared_prefix_is_kept_at_the_junction(ctx):
     sizes, groups = _writes(ctx)
     interval = ctx.config.retention
     p, n2, n3 = ctx.fresh("P"), ctx.fresh("N2_diverging"), ctx.fresh("N3")
-    if not any(sg.kind is Kind.FULL for sg in sizes.groups):
+    if not any(sg.kind == Kind.FULL for sg in sizes.groups):
         return False, True
     applies = and_(and_(p >= 1, p < ctx.n), and_(p < n2, p < n3))
     first = tuple(ctx.P.clip(sizes, g, p) for g in groups)
