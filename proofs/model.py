@@ -70,6 +70,8 @@ class Invariant:
         refuted_by: known-bad variants that must refute it (non-vacuity).
         write_side: it speaks about the cache a request leaves (configurations with a retention interval).
         heavy: configurations checked only by ``kvhit prove --extended`` (too slow for the default run).
+        policies: the modelled policies it speaks about (None: every one); a claim that compares a policy
+            with ``vllm_0_33`` says nothing of ``vllm_0_33`` itself.
     """
 
     name: str
@@ -81,6 +83,7 @@ class Invariant:
     witnesses: int = 1
     write_side: bool = False
     heavy: Callable[[Config], bool] = lambda config: False
+    policies: tuple | None = None
 
     @property
     def formula(self) -> str:
@@ -205,12 +208,12 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
 
 
 # Z3's arithmetic solvers differ by orders of magnitude on these linear problems full of division by
-# constants, and neither wins everywhere: try the older simplex solver briefly, then the default one.
+# constants, and neither wins everywhere: try the older simplex solver first, then the default one.
 # Each try is bounded by Z3's resource units (rlimit), never by the clock, so that a verdict does not depend
 # on how loaded the machine is. Calibrated on the default run: the simplex solver spends 15-60 million
-# units a second, the default one 3-15 million; the costliest check the simplex solver decides takes 167
-# million (gemma, MTP 2, drop, R = 0: 10 s), and one that it decides in 60 million was sent to the default
-# solver, for 395 s, by a first bound of 40 million.
+# units a second, the default one 2-15 million; the costliest check of the default run takes 372 million,
+# and one that the simplex solver decides in 60 million was sent to the default solver, for 395 s, by a
+# first bound of 40 million.
 PORTFOLIO = ((2, 400_000_000), (6, 1_500_000_000))
 
 

@@ -70,7 +70,8 @@ def tasks(only_catalogue_for_bad: bool = True):
             if inv.heavy(config) and not EXTENDED:
                 continue
             for policy in POLICIES:
-                out.append((inv.name, policy, i, None))
+                if inv.policies is None or policy in inv.policies:
+                    out.append((inv.name, policy, i, None))
             for bad in inv.refuted_by:
                 if bad in POLICIES:
                     continue
