@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvhit import refimpl
+from kvhit.convert import to_refimpl
 from kvhit.refimpl import Group, Kind, Layout
 
 KINDS = tuple(k.value for k in Kind)
@@ -29,13 +30,7 @@ def catalogue():
     """The spec's catalogue (``kvhit.spec.catalogue``: pure data, no z3) as refimpl layouts."""
     from kvhit.spec.catalogue import CATALOGUE
 
-    return {name: _from_spec(layout) for name, layout in CATALOGUE.items()}
-
-
-def _from_spec(layout):
-    groups = tuple(Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
-                         g.tokens_per_state) for g in layout.groups)
-    return Layout(groups, layout.dcp, layout.prefix_match_unit, layout.name)
+    return {name: to_refimpl(layout) for name, layout in CATALOGUE.items()}
 
 
 def load(source):

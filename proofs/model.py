@@ -19,6 +19,7 @@ from typing import Callable
 import z3
 
 from kvhit import refimpl
+from kvhit.convert import to_refimpl
 from types import SimpleNamespace
 
 from kvhit.spec import policy as spec_policy
@@ -116,10 +117,7 @@ class _Context:
     def sizes(self, speculation: Speculation | None = None) -> Sizes:
         layout, speculation = self.config.layout, speculation or self.config.speculation
         if self.P is refimpl:  # the generated code has its own domain types
-            layout = refimpl.Layout(tuple(refimpl.Group(**vars(g)) for g in layout.groups), layout.dcp,
-                                    layout.prefix_match_unit, layout.name)
-            speculation = refimpl.Speculation(speculation.mode.value, speculation.num_speculative_tokens,
-                                              speculation.multi_module_mtp)
+            layout, speculation = to_refimpl(layout), to_refimpl(speculation)
         return self.P.derive_sizes(layout, speculation, self.rules.scale_replicated)
 
     def hit(self, speculation: Speculation | None = None, rules: Rules | None = None):

@@ -321,23 +321,19 @@ def stage_hit_tokens(layout, speculation, policy: str = "reference") -> tuple[st
     """:func:`kvhit.spec.policy.hit_tokens` of one layout and speculative setting under a policy, staged:
     ``(source, hit)`` where ``hit(n_tokens, cache)`` is ``refimpl.hit_tokens(cache, sizes, n_tokens, rules)``
     for that layout's sizes and the policy's rules. ``layout`` and ``speculation`` are the spec's domain
-    types or the refimpl's (same fields; converted by value).
+    types or the refimpl's (converted by :func:`kvhit.convert.to_spec`).
 
     Raises:
         SpecError: the policy's hit cannot be staged (vLLM's fixed-point loop branches on the cache: only
             policies whose hit is one scan stage, ``reference`` among them); ValueError: the spec rejects
             the layout.
     """
+    from kvhit.convert import to_spec
+
     from .api import policy_rules
-    from .domain import Group, Layout, Speculation
     from .policy import hit_tokens
     from .sizes import derive_sizes
 
-    groups = tuple(Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
-                         g.tokens_per_state) for g in layout.groups)
-    layout = Layout(groups, layout.dcp, layout.prefix_match_unit, layout.name)
-    speculation = Speculation(speculation.mode.value, speculation.num_speculative_tokens,
-                              speculation.multi_module_mtp)
     rules = policy_rules(policy)
-    sizes = derive_sizes(layout, speculation, rules.scale_replicated)
+    sizes = derive_sizes(to_spec(layout), to_spec(speculation), rules.scale_replicated)
     return stage(hit_tokens, sizes, N, rules, name="hit_tokens")
