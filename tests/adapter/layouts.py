@@ -9,39 +9,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import kvhit.refimpl as R
+from kvhit.convert import to_refimpl
 from kvhit.spec.catalogue import CATALOGUE
+from tests.conformance.differential import to_harness
 from tests.conformance.vllm_harness import VllmHarness
 
 
 def harness_layout(name, dcp: int = 1) -> dict:
     """A spec layout (a catalogue name, or a ``kvhit.spec`` Layout) at DCP ``dcp``, in the harness's
-    format. DeepSeek-V4 groups are MLA / SWA-MLA specs, as vLLM builds them."""
+    format (:func:`tests.conformance.differential.to_harness`: DeepSeek-V4 groups are MLA / SWA-MLA specs,
+    as vLLM builds them)."""
     layout = CATALOGUE[name] if isinstance(name, str) else name
-    name = layout.name
-    mla = name.startswith("dsv4")
-    groups = []
-    for g in layout.groups:
-        group = {"kind": g.kind.value, "block_size": g.block_size, "eagle": g.eagle,
-                 "dcp_sharded": g.dcp_sharded}
-        if g.window is not None:
-            group["window"] = g.window
-        if g.chunk is not None:
-            group["chunk"] = g.chunk
-        if g.tokens_per_state > 1:
-            group["tokens_per_state"] = g.tokens_per_state
-        if mla and g.kind.value in ("full", "swa"):
-            group["mla"] = True
-        groups.append(group)
-    return {"name": name, "dcp": dcp, "prefix_match_unit": layout.prefix_match_unit, "groups": groups}
+    return to_harness(replace(layout, dcp=dcp))
 
 
 def refimpl_layout(name: str, dcp: int = 1) -> R.Layout:
     """The catalogue layout ``name`` at DCP ``dcp`` as a ``kvhit.refimpl.Layout``."""
-    layout = CATALOGUE[name]
-    return R.Layout(tuple(R.Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
-                                  g.tokens_per_state) for g in layout.groups),
-                    dcp, layout.prefix_match_unit, name)
+    return to_refimpl(replace(CATALOGUE[name], dcp=dcp))
 
 
 def speculation(mode: str, num_speculative_tokens: int = 1, multi_module_mtp: bool = False) -> R.Speculation:

@@ -17,6 +17,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
 from kvhit.adapters.vllm import v0_33
+from kvhit.convert import to_refimpl
 from kvhit.proofs.model import cache_from_runs
 from tests.adapter.layouts import harness_layout, unsound_blocks
 from tests.conformance.vllm_harness import VllmHarness
@@ -24,12 +25,7 @@ from tests.regressions.test_counterexamples import VECTORS, _config
 
 
 def _refimpl(config):
-    layout = config.layout
-    groups = tuple(R.Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
-                           g.tokens_per_state) for g in layout.groups)
-    s = config.speculation
-    return (R.Layout(groups, layout.dcp, layout.prefix_match_unit, layout.name),
-            R.Speculation(s.mode.value, s.num_speculative_tokens, s.multi_module_mtp))
+    return to_refimpl(config.layout), to_refimpl(config.speculation)
 
 
 # Read-side vectors pin a cache state and the hits on it; write-side vectors (``repeat_hits``) pin a prompt

@@ -26,7 +26,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvhit.refimpl import CacheState, Group, Layout, Speculation, derive_sizes, hit_tokens, policy_rules
+from kvhit.convert import to_refimpl  # noqa: F401 (the suites import it from here)
+from kvhit.refimpl import CacheState, Layout, Speculation, derive_sizes, hit_tokens, policy_rules
 from kvhit.refimpl.policy import num_hashes
 
 from .vllm_harness import SchedulingStalled, VllmHarness
@@ -64,16 +65,9 @@ class Mismatch(AssertionError):
 # ----------------------------------------------------------------------------------------------------
 
 
-def to_refimpl(layout) -> Layout:
-    """A refimpl :class:`Layout` from a spec-domain one (the catalogue is built from ``kvhit.spec``)."""
-    return Layout(tuple(Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
-                              g.tokens_per_state) for g in layout.groups),
-                  layout.dcp, layout.prefix_match_unit, layout.name)
-
-
 def to_harness(layout: Layout) -> dict:
-    """The harness's layout dict for a refimpl layout. DeepSeek-V4 layouts use vLLM's MLA specs
-    (``MLAAttentionSpec`` / ``SlidingWindowMLASpec``), as the model builds them."""
+    """The harness's layout dict for a refimpl or spec layout (the same fields). DeepSeek-V4 layouts use
+    vLLM's MLA specs (``MLAAttentionSpec`` / ``SlidingWindowMLASpec``), as the model builds them."""
     mla = layout.name.startswith("dsv4")
     groups = []
     for g in layout.groups:

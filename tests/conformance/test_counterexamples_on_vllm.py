@@ -11,7 +11,7 @@ import pytest
 
 from kvhit.proofs.domains import SCENARIOS, configs
 from kvhit.proofs.model import cache_from_runs
-from kvhit.refimpl import CacheState, Speculation, derive_sizes, hit_tokens
+from kvhit.refimpl import CacheState, derive_sizes, hit_tokens
 from kvhit.refimpl.policy import num_hashes
 
 from .differential import VLLM_0_33, cache_state, harness_mode, seed_cache, to_harness, to_refimpl
@@ -49,8 +49,7 @@ def test_counterexample_replays_on_vllm(path):
     record = json.loads(path.read_text())
     config = _config(record)
     layout = to_refimpl(config.layout)
-    spec = config.speculation
-    speculation = Speculation(spec.mode.value, spec.num_speculative_tokens, spec.multi_module_mtp)
+    speculation = to_refimpl(config.speculation)
     sizes = derive_sizes(layout, speculation)
     n = record["N"]
     runs = {(int(k), item["unit"]): [tuple(span) for span in item["blocks"]]
@@ -97,8 +96,7 @@ def test_write_counterexample_replays_on_vllm(path):
     record = json.loads(path.read_text())
     config = _config(record)
     layout = to_refimpl(config.layout)
-    spec = config.speculation
-    speculation = Speculation(spec.mode.value, spec.num_speculative_tokens, spec.multi_module_mtp)
+    speculation = to_refimpl(config.speculation)
     scenario = WriteScenario(layout, speculation, record["retention"], record["N"], (("resend",),) * 3)
     history = run_write_scenario(scenario, WriteStats())
     got = [hit for _, _, hit in history[1:]]

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvhit import refimpl
+from kvhit.convert import to_spec
 from kvhit.proofs.model import SPEC
 from kvhit.spec.cache import Held, written_cache
 from kvhit.spec.domain import Kind
@@ -19,7 +20,6 @@ from kvhit.spec.lower_z3 import SymbolicWrittenCache, fresh_int, lowering
 from kvhit.spec.sizes import derive_sizes as spec_derive_sizes
 from kvhit.spec.terms import SpecError, Term, _zv
 
-from .convert import to_spec
 from .test_write_side import _fixed, write_settings
 
 
@@ -199,7 +199,7 @@ def test_layered_hits_and_reads_match_plain_loops(setting, data):
     spec's plain loops and refimpl's do. (Layouts whose sliding window can lose blocks before caching them
     are left out: several layers with gaps are refused.)"""
     layout, speculation, sizes, interval = setting
-    spec_layout, spec_speculation = to_spec(layout, speculation)
+    spec_layout, spec_speculation = to_spec(layout), to_spec(speculation)
     ssizes = spec_derive_sizes(spec_layout, spec_speculation)
     a = ssizes.alignment
     count = data.draw(st.sampled_from([1, 2, 2, 3, 3]), label="layers")

@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhit import refimpl
+from kvhit.convert import to_spec
 from kvhit.proofs.model import SPEC, cache_from_runs
 from kvhit.spec import cache as spec_cache
 from kvhit.spec.lower_z3 import SymbolicCache, fresh_int, lowering
 from kvhit.spec.sizes import derive_sizes as spec_derive_sizes
 from kvhit.spec.terms import _zv
 
-from .convert import to_spec
 from .strategies import caches, layouts, speculations
 
 
@@ -21,7 +21,7 @@ from .strategies import caches, layouts, speculations
 def test_refimpl_matches_the_spec_interpreter(data, layout, speculation, n):
     sizes = refimpl.derive_sizes(layout, speculation)
     sets = data.draw(caches(len(sizes.groups), n + 64))
-    spec_layout, spec_speculation = to_spec(layout, speculation)
+    spec_layout, spec_speculation = to_spec(layout), to_spec(speculation)
     spec_sizes = spec_derive_sizes(spec_layout, spec_speculation)
     for name, rules in refimpl.ALL_POLICIES.items():
         sizes_r = refimpl.derive_sizes(layout, speculation, rules.scale_replicated)
@@ -37,7 +37,7 @@ def test_refimpl_matches_the_spec_interpreter(data, layout, speculation, n):
        policy=st.sampled_from(sorted(refimpl.ALL_POLICIES)))
 def test_z3_lowering_matches_refimpl(data, layout, speculation, n, policy):
     """Fix the symbolic prompt and cache to concrete values: Z3 must compute refimpl's hit."""
-    spec_layout, spec_speculation = to_spec(layout, speculation)
+    spec_layout, spec_speculation = to_spec(layout), to_spec(speculation)
     rules = SPEC.ALL_POLICIES[policy]
     sizes = spec_derive_sizes(spec_layout, spec_speculation, rules.scale_replicated)
     with lowering():

@@ -2,11 +2,14 @@
 and convergence, asking the cache no boundary the refimpl does not ask, for every policy it stages, on random
 layouts, catalogue layouts, prompts and cache states; and it refuses what it cannot stage."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhit import refimpl
+from kvhit.convert import to_refimpl
 from kvhit.spec import stage
 from kvhit.spec.catalogue import CATALOGUE
 from kvhit.spec.terms import SpecError, SymbolicBranchError, and_, ite, max_aligned, min_
@@ -73,10 +76,7 @@ CATALOGUE_SETTINGS = [
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_staged_reference_is_refimpls_on_the_catalogue(name, speculation, dcp, data):
-    spec_layout = CATALOGUE[name]
-    layout = refimpl.Layout(tuple(refimpl.Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded,
-                                                g.eagle, g.tokens_per_state) for g in spec_layout.groups),
-                            dcp=dcp, prefix_match_unit=spec_layout.prefix_match_unit, name=name)
+    layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
     sizes = refimpl.derive_sizes(layout, speculation)
     a = sizes.alignment
     n = data.draw(st.integers(1, 6 * a + 3 * sizes.scheduler_block))

@@ -7,13 +7,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvhit import refimpl
+from kvhit.convert import to_spec
 from kvhit.proofs.model import SPEC
 from kvhit.spec import retention as spec_retention
 from kvhit.spec.lower_z3 import SymbolicWrittenCache, fresh_int, lowering
 from kvhit.spec.sizes import derive_sizes as spec_derive_sizes
 from kvhit.spec.terms import _zv
 
-from .convert import to_spec
 from .strategies import layouts
 
 write_speculations = st.sampled_from([
@@ -45,7 +45,7 @@ def _policies():
 @given(setting=write_settings(), n=st.integers(1, 3000))
 def test_refimpl_write_side_matches_the_spec_interpreter(setting, n):
     layout, speculation, sizes, interval = setting
-    spec_layout, spec_speculation = to_spec(layout, speculation)
+    spec_layout, spec_speculation = to_spec(layout), to_spec(speculation)
     spec_sizes = spec_derive_sizes(spec_layout, spec_speculation)
     for name in _policies():
         got = refimpl.request_writes(sizes, n, interval, refimpl.ALL_POLICIES[name])
@@ -134,7 +134,7 @@ def test_z3_reading_of_a_cache_with_lost_blocks_matches_refimpl(setting, n, long
 
 def _z3_matches_refimpl(setting, n, longer, policy, repeats):
     layout, speculation, sizes, interval = setting
-    spec_layout, spec_speculation = to_spec(layout, speculation)
+    spec_layout, spec_speculation = to_spec(layout), to_spec(speculation)
     rules = SPEC.ALL_POLICIES[policy]
     ssizes = spec_derive_sizes(spec_layout, spec_speculation)
     with lowering():

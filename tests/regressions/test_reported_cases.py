@@ -8,17 +8,12 @@ reproduce them on a cache holding the served prompt.
 
 import pytest
 
+from kvhit.convert import to_refimpl
 from kvhit.refimpl import Group, Layout, Speculation, hit
 from kvhit.spec.catalogue import CATALOGUE
 
 DROP, NONE = Speculation("drop", 1), Speculation("none")
 LOOKAHEAD = Speculation("lookahead", 1)
-
-
-def _convert(layout):
-    return Layout(tuple(Group(g.kind.value, g.block_size, g.window, g.chunk, g.dcp_sharded, g.eagle,
-                              g.tokens_per_state) for g in layout.groups),
-                  layout.dcp, layout.prefix_match_unit, layout.name)
 
 
 def _whole_prompt(layout, n):
@@ -28,14 +23,14 @@ def _whole_prompt(layout, n):
 
 
 def test_historical_mtp_drop_halves_the_deepseek_v4_hit_as_reported():
-    layout = _convert(CATALOGUE["dsv4_report"])
+    layout = to_refimpl(CATALOGUE["dsv4_report"])
     cache = _whole_prompt(layout, 46240)
     assert hit(layout, NONE, 46240, cache, "historical") == 32768
     assert hit(layout, DROP, 46240, cache, "historical") == 16384
 
 
 def test_reference_and_vllm_0_33_keep_the_deepseek_v4_hit_on_a_dense_cache():
-    layout = _convert(CATALOGUE["dsv4_report"])
+    layout = to_refimpl(CATALOGUE["dsv4_report"])
     cache = _whole_prompt(layout, 46240)
     assert hit(layout, DROP, 46240, cache, "reference") == 32768
     assert hit(layout, DROP, 46240, cache, "vllm_0_33") == 32768
@@ -51,7 +46,7 @@ def test_reference_and_vllm_0_33_keep_the_deepseek_v4_hit_on_a_dense_cache():
     ("qwen3next_pmu160", 160, 11910, DROP, 11680),
 ])
 def test_vllm_0_33_reproduces_hits_measured_on_vllm_kv_cache_manager(name, pmu, n, mode, measured):
-    layout = _convert(CATALOGUE[name])
+    layout = to_refimpl(CATALOGUE[name])
     assert hit(layout, mode, n, _whole_prompt(layout, n), "vllm_0_33") == measured
 
 
@@ -75,7 +70,7 @@ MTP2_LOOKAHEAD = Speculation("lookahead", 2, True)
 def _repeats(name, speculation, n, interval, policy, times=3):
     from kvhit.refimpl import ALL_POLICIES, derive_sizes, repeat_hits
 
-    layout = _convert(CATALOGUE[name])
+    layout = to_refimpl(CATALOGUE[name])
     return repeat_hits(derive_sizes(layout, speculation), n, interval, ALL_POLICIES[policy], times)
 
 
@@ -84,7 +79,7 @@ def test_historical_mask_misses_the_first_repeat_of_the_qwen3_next_report():
     kept the state at 11200, the EAGLE-adjusted resume point was 9600, the first repeat missed."""
     from kvhit.refimpl import HISTORICAL, derive_sizes, request_writes
 
-    sizes = derive_sizes(_convert(CATALOGUE["qwen3next"]), MTP2_DROP)
+    sizes = derive_sizes(to_refimpl(CATALOGUE["qwen3next"]), MTP2_DROP)
     mamba = request_writes(sizes, 11910, 0, HISTORICAL)[1]
     assert sorted({p for p in mamba.points if p > 0}) == [11200]
     assert _repeats("qwen3next", MTP2_DROP, 11910, 0, "historical") == (0, 9600, 9600)
@@ -114,7 +109,7 @@ def test_vllm_0_33_loses_a_block_for_a_longer_sibling_of_a_block_aligned_prompt(
     800 tokens extending it hits 640 (704 with dense retention)."""
     from kvhit.refimpl import ALL_POLICIES, derive_sizes, hit_tokens, request_writes, written_cache
 
-    sizes = derive_sizes(_convert(CATALOGUE["gemma"]), NONE)
+    sizes = derive_sizes(to_refimpl(CATALOGUE["gemma"]), NONE)
     for interval, policy, want in ((0, "vllm_0_33", 640), (None, "vllm_0_33", 704), (0, "reference", 704)):
         rules = ALL_POLICIES[policy]
         cache = written_cache(request_writes(sizes, 704, interval, rules))
