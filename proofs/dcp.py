@@ -6,16 +6,23 @@ from .model import Invariant
 
 
 def dcp_scales_only_sharded_groups(ctx):
-    """For every configuration: each group's effective block is block * DCP if the group is sharded and
-    block otherwise (replicated draft groups and Mamba are never scaled); the other invariants are checked
-    at every DCP size of the domain."""
+    """For every configuration: each KV-cache group is looked up in exactly one spec group, whose block (what
+    its manager looks it up with) is the group's ``block_size`` times the DCP size if the group is sharded,
+    and its ``block_size`` if it is replicated (draft groups marked so, and Mamba). Read from the layout's
+    own fields and the spec groups, not from ``effective_block``; the other invariants are checked at every
+    DCP size of the domain."""
     sizes = ctx.sizes()
     layout = ctx.config.layout
-    ok = True
-    for group, effective in zip(layout.groups, sizes.effective_blocks):
-        expected = group.block_size * layout.dcp if group.dcp_sharded else group.block_size
-        ok = and_(ok, effective == expected)
-    ctx.show("effective_blocks", sizes.effective_blocks)
+    looked_up_with = {}
+    for sg in sizes.groups:
+        for member in sg.members:
+            looked_up_with.setdefault(member, []).append(sg.block)
+    ok = sorted(looked_up_with) == list(range(len(layout.groups)))
+    ok = ok and all(len(blocks) == 1 for blocks in looked_up_with.values())
+    seen = tuple(looked_up_with.get(i, [0])[0] for i in range(len(layout.groups)))
+    for group, block in zip(layout.groups, seen):
+        ok = and_(ok, block == group.block_size * (layout.dcp if group.dcp_sharded else 1))
+    ctx.show("effective_blocks", seen)  # the block each KV-cache group is looked up with
     return True, ok
 
 
