@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from kvhit.proofs.domains import SCENARIOS, configs
+from kvhit.proofs.expected import EXPECTED
 from kvhit.proofs.model import ReplayContext, cache_from_runs
-from kvhit.proofs.runner import BY_NAME
-from kvhit.spec.policy import ALL_POLICIES
+from kvhit.proofs.runner import BY_NAME, tasks
+from kvhit.spec.policy import ALL_POLICIES, POLICIES
 
 VECTORS = sorted((Path(__file__).resolve().parent.parent / "vectors" / "hit_tokens").glob("*.json"))
 
@@ -37,8 +38,21 @@ def _replay(record, policy):
     return assumption, claim, json.loads(json.dumps(ctx.shown))
 
 
-def test_there_are_pinned_counterexamples():
-    assert len(VECTORS) >= 10
+def _refuted_rows():
+    """The rows of the default `make prove` run expected REFUTED: every entry of ``proofs/expected.py`` and
+    every known-bad variant the run checks an invariant against (each must be refuted)."""
+    rows = {(inv if scenario is None else f"{inv}@{scenario}", policy) for inv, policy, _, scenario in tasks()}
+    expected = {row for row, (verdict, *_) in EXPECTED.items() if verdict == "REFUTED"}
+    assert expected <= rows, f"expected.py names rows the run does not check: {sorted(expected - rows)}"
+    return expected | {(inv, policy) for inv, policy in rows if policy not in POLICIES}
+
+
+def test_the_pinned_counterexamples_are_exactly_the_expected_refutations():
+    """One vector per REFUTED row (named as `make prove --write-vectors` names it), recording that row."""
+    want = _refuted_rows()
+    assert {p.stem for p in VECTORS} == {f"{inv.replace('@', '__')}__{policy}" for inv, policy in want}
+    recorded = [json.loads(p.read_text()) for p in VECTORS]
+    assert sorted((r["invariant_row"], r["policy"]) for r in recorded) == sorted(want)
 
 
 @pytest.mark.parametrize("path", VECTORS, ids=[p.stem for p in VECTORS])
