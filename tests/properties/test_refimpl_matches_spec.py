@@ -2,7 +2,7 @@
 interpreter, and the same as the spec's Z3 lowering, on random layouts, prompts and cache states."""
 
 import z3
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvhit import refimpl
@@ -58,10 +58,20 @@ def test_z3_lowering_matches_refimpl(data, layout, speculation, n, policy):
         runs[key] = spans
     assert solver.check() == z3.sat
     model = solver.model()
-    if not z3.is_true(model.eval(_zv(converged), True)):
-        return  # the unrolled passes did not reach the fixed point; Python would go on
+    got = tuple(model.eval(_zv(v), True).as_long() for v in (hit, reach, longest))
+    got_converged = z3.is_true(model.eval(_zv(converged), True))
     concrete, _ = cache_from_runs(runs)
+    # The spec run on the same integers with the passes the Z3 lowering unrolls: every output, converged or not.
+    with lowering():
+        unrolled = SPEC.hit_tokens(spec_cache.CacheState(concrete.has), sizes, n, rules)
+    assert (*got, got_converged) == (*unrolled[:3], unrolled[3]), (policy, layout, speculation, n, runs)
     want = refimpl.hit_tokens(concrete, refimpl.derive_sizes(layout, speculation, rules.scale_replicated),
                               n, refimpl.ALL_POLICIES[policy])
-    got = tuple(model.eval(_zv(v), True).as_long() for v in (hit, reach, longest))
-    assert got == want[:3], (policy, layout, speculation, n, runs)
+    event(f"unrolled passes converged: {got_converged}")
+    if got_converged:
+        assert got == want[:3], (policy, layout, speculation, n, runs)
+    else:
+        # The unrolled passes are the first passes of refimpl's loop, which goes on: its candidate only falls,
+        # its reach and longest only grow.
+        assert want[0] <= got[0] and want[1] >= got[1] and want[2] >= got[2], (
+            policy, layout, speculation, n, runs, got, want)
