@@ -88,7 +88,8 @@ def tasks(only_catalogue_for_bad: bool = True):
 
 ONLY: set = set()
 # Relative cost of one check, measured on the default run (only the order of the work depends on it).
-COST = {"eagle_loses_at_most_one_block_beyond_alignment": 5, "second_repeat_is_stable": 4,
+COST = {"reference_never_below_vllm": 6, "eagle_loses_at_most_one_block_beyond_alignment": 5,
+        "a_shared_prefix_is_kept_at_the_junction": 4, "second_repeat_is_stable": 4,
         "scheduler_and_mask_boundaries_agree": 3, "hit_is_valid_in_every_group": 2}
 
 
