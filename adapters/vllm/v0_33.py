@@ -183,7 +183,7 @@ class WriteModel:
 
     ``refimpl.replay_boundaries(sizes, N, REFERENCE)`` are the points kvhit's own read side resumes at (a
     resend, a sibling one token longer, a far sibling) on the cache the request would leave with every state
-    retained. vLLM's masks keep state exactly there when they are given these boundaries (its sliding-window
+    retained, then vLLM's own replay boundaries (so enforce never keeps less than stock). vLLM's masks keep state exactly there when they are given these boundaries (its sliding-window
     and Mamba masks have the spec's mechanics), and the scheduler ends a prefill chunk at each of them so
     that every Mamba group has a state to keep::
 
@@ -201,10 +201,11 @@ class WriteModel:
         self.sizes = sizes
         self.retention = retention
         self.mamba_groups = tuple(k for k, sg in enumerate(sizes.groups) if sg.kind is Kind.MAMBA)
-        self._boundaries: dict[int, tuple[int, int, int]] = {}
+        self._boundaries: dict[int, tuple[int, ...]] = {}
 
-    def resume_points(self, n_tokens: int) -> tuple[int, int, int]:
-        """``refimpl.replay_boundaries(sizes, N, REFERENCE)``: (resend, near sibling, far sibling)."""
+    def resume_points(self, n_tokens: int) -> tuple[int, ...]:
+        """``refimpl.replay_boundaries(sizes, N, REFERENCE)``: (resend, near sibling, far sibling, ...,
+        then vLLM's boundaries)."""
         found = self._boundaries.get(n_tokens)
         if found is None:
             found = tuple(replay_boundaries(self.sizes, n_tokens, REFERENCE))
