@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvhit.convert import to_refimpl  # noqa: F401 (the suites import it from here)
 from kvhit.refimpl import CacheState, Layout, Speculation, derive_sizes, hit_tokens, policy_rules
-from kvhit.refimpl.policy import num_hashes
+from kvhit.refimpl.policy import NO_JUNCTION, Kind, chunk_stops, num_hashes
 
 from .vllm_harness import SchedulingStalled, VllmHarness
 
@@ -274,13 +274,17 @@ def check_sizes(scenario: Scenario, sizes, harness: VllmHarness) -> None:
                            f"  vllm_0_33: {[sizes.groups[0].drops]}")
 
 
-def stall_expected(sizes) -> bool:
-    """Where the scheduler's Mamba checkpoint split and its prefill-lookahead reservation are known to
-    clip a running prefill to 0 tokens: Mamba with partial (hash-unit) hits and a prefill lookahead of at
-    least 2 (multi-module MTP), e.g. full 32 + Mamba 32 with ``prefix_match_unit`` 16, ``Lp = 2``,
-    ``N = 33``. See docs/findings.md, S1."""
-    return sizes.partial_hits and sizes.prefill_lookahead >= 2 and any(
-        g.kind.value == "mamba" for g in sizes.groups)
+def stall_predicted(sizes, n, start, junction, rules) -> bool:
+    """Whether the scheduler's own chunk clipping leaves this prefill stuck at 0 tokens: a Mamba chunk
+    must end at a stop ``e`` (the model's ``chunk_stops``) with ``0 < N - e < Lp``, and
+    ``_reserve_prefill_lookahead`` keeps ``Lp`` tokens from the end, so the chunk to ``e`` is cut short and
+    the one after it is cut to 0 (docs/findings.md, S1). ``start``: the request's hit; ``junction``: the
+    shared-prefix junction it records (NO_JUNCTION for none)."""
+    lp = sizes.prefill_lookahead
+    if lp < 2 or not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
+        return False
+    stops = chunk_stops(sizes, n, start, junction, rules)
+    return any(start < e < n and n - e < lp for e in stops)
 
 
 def cache_state(harness: VllmHarness, sizes, tokens) -> list[set[int]]:
@@ -401,9 +405,10 @@ def run_scenario(scenario: Scenario, stats: Stats = STATS, rules=VLLM_0_33) -> l
             outcome = e
         except SchedulingStalled as e:
             # Not a lookup result: the admission lookup completed and is compared; the stall itself is a
-            # scheduler lead (docs/findings.md, S1), allowed only where it is known to happen.
-            if not stall_expected(sizes):
-                raise Mismatch(f"the scheduler stalled outside the known condition: {e}\n"
+            # scheduler lead (docs/findings.md, S1), allowed only where the model predicts it.
+            hit, _, longest, _ = hit_tokens(CacheState.from_sets(boundaries), sizes, len(tokens), rules)
+            if not stall_predicted(sizes, len(tokens), hit, longest if longest > hit else NO_JUNCTION, rules):
+                raise Mismatch(f"the scheduler stalled where the model predicts no stall: {e}\n"
                                f"{scenario.describe()}") from e
             stats.stalls += 1
             outcome = {"hit": e.hit, "spb": e.spb}

@@ -37,9 +37,11 @@ from kvhit.refimpl import (
     request_writes,
     written_cache,
 )
-from kvhit.refimpl.policy import NO_JUNCTION, CacheState, Kind, check_retention, chunk_stops, num_hashes, repeat
+from kvhit.refimpl.policy import NO_JUNCTION, CacheState, check_retention, num_hashes, repeat
 
-from .differential import VLLM_0_33, Coverage, Mismatch, check_sizes, describe_layout, harness_mode, runs, to_harness
+# stall_predicted: the write side assumes every request completes, so a scenario ends at a predicted stall
+from .differential import (VLLM_0_33, Coverage, Mismatch, check_sizes, describe_layout, harness_mode, runs,
+                           stall_predicted, to_harness)
 from .vllm_harness import SchedulingStalled, VllmHarness
 
 NO_BUDGET = 10**6
@@ -116,19 +118,6 @@ def model_retained(sizes, cache: CacheState, k: int, n: int) -> list[int]:
     """The boundaries ``x <= N - L`` (multiples of ``h``) spec group ``k`` holds in the model's cache."""
     h = sizes.hash_block
     return [x for x in range(h, n - sizes.hash_lookahead + 1, h) if cache.has(k, x)]
-
-
-def stall_predicted(sizes, n, start, junction, rules) -> bool:
-    """Whether the scheduler's own chunk clipping leaves this prefill stuck at 0 tokens: a Mamba chunk
-    must end at a stop ``e`` (the model's ``chunk_stops``) with ``0 < N - e < Lp``, and
-    ``_reserve_prefill_lookahead`` keeps ``Lp`` tokens from the end, so the chunk to ``e`` is cut short and
-    the one after it is cut to 0 (docs/findings.md, S1). The write side assumes every request
-    completes, so such a scenario ends there."""
-    lp = sizes.prefill_lookahead
-    if lp < 2 or not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
-        return False
-    stops = chunk_stops(sizes, n, start, junction, rules)
-    return any(start < e < n and n - e < lp for e in stops)
 
 
 def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=VLLM_0_33) -> list:
