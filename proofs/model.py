@@ -209,9 +209,10 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
 # constants, and neither wins everywhere: try the older simplex solver first, then the default one.
 # Each try is bounded by Z3's resource units (rlimit), never by the clock, so that a verdict does not depend
 # on how loaded the machine is. Calibrated on the default run: the simplex solver spends 15-60 million
-# units a second, the default one 2-15 million; the costliest check of the default run takes 372 million,
-# and one that the simplex solver decides in 60 million was sent to the default solver, for 395 s, by a
-# first bound of 40 million.
+# units a second, the default one 2-15 million; the costliest check the simplex solver decides in the
+# default run takes 372 million (the costliest over both tries, a stream check, 682 million), and one that
+# the simplex solver decides in 60 million was sent to the default solver, for 395 s, by a first bound of
+# 40 million.
 PORTFOLIO = ((2, 400_000_000), (6, 1_500_000_000))
 
 
