@@ -1,7 +1,7 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: d8db8096e3eef0842f7a4c3ade9c601a58b06ab1305f46e8cf36c524e6f4166a
+spec-sha256: 35339dd5fa883bb6a96cc3af2c1d3e56ba36a8a09ffabb07f11ffa5c654cd598
 output-sha256: 2c166d993adaa62e23e05ef1b27831357d065c69f9263579b96bfaf2e4db3695
 """
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from .cache import layers, live_gaps, scan_last_held
 from .domain import Kind
-from .terms import _LOWERING, SpecError, Term, _zv, and_, cdiv, eq, is_symbolic, ite, max_, min_
+from . import runtime
+from .terms import Lowering, SpecError, Term, _zv, and_, cdiv, eq, installed, is_symbolic, ite, max_, min_
 
 
 def _z3():
@@ -40,15 +41,29 @@ def fresh_int(prefix: str) -> Term:
     return Term(_z3().Int(f"{prefix}!{next(_fresh)}"))
 
 
+class Z3Lowering(Lowering):
+    """The operators of :mod:`kvhit.spec.terms` while the spec runs on :class:`Term` values (which the
+    operators lower themselves): ``max_aligned`` up to a symbolic bound in closed form
+    (:func:`symbolic_max_aligned`), a written cache as the decision procedure over its descriptions
+    (:class:`SymbolicWrittenCache`), and a fixed-point loop as ``bound`` unrolled passes."""
+
+    def max_aligned(self, step: int, hi, pred):
+        if is_symbolic(hi):
+            return symbolic_max_aligned(step, hi, pred)
+        return runtime.max_aligned(step, hi, pred)
+
+    def passes(self, bound: int):
+        return range(bound)
+
+    def written(self, groups: tuple):
+        return SymbolicWrittenCache(groups)
+
+
 @contextmanager
 def lowering():
-    """While active, :func:`kvhit.spec.terms.passes` unrolls a bounded number of passes."""
-    previous = _LOWERING.get("z3")
-    _LOWERING["z3"] = True
-    try:
+    """Run the spec's operators under the Z3 lowering (:class:`Z3Lowering`) until the block ends."""
+    with installed(Z3Lowering()):
         yield
-    finally:
-        _LOWERING["z3"] = previous
 
 
 # ----------------------------------------------------------------------------------------------------

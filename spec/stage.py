@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from . import runtime
 from .cache import scan_last_held
-from .terms import _LOWERING, SpecError, SymbolicBranchError
+from .terms import OPERATORS, Lowering, SpecError, SymbolicBranchError, active, installed
 
 
 class Code:
@@ -52,7 +52,6 @@ class Code:
     """
 
     __slots__ = ("fmt", "args", "lazy", "asks", "bound", "scan")
-    __kvhit_code__ = True
 
     def __init__(self, fmt: str, args: tuple = (), lazy: frozenset = frozenset(), asks: bool = False,
                  bound: frozenset = frozenset()) -> None:
@@ -151,17 +150,34 @@ def _preview(code: Code, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-_params = itertools.count()  # lambda parameter names: x0, x1, ... (restarted by each stage())
+class StagedLowering(Lowering):
+    """The operators of :mod:`kvhit.spec.terms` while :func:`stage` runs the spec: a call with a staged
+    operand becomes the node its ``source`` template makes (:func:`staged_call`), and ``max_aligned``
+    is staged even at a concrete bound (its predicate may ask the cache). Each :func:`stage` installs a
+    fresh one, so its lambda parameters are named ``x0``, ``x1``, ... from the start."""
+
+    def __init__(self) -> None:
+        self.params = itertools.count()  # lambda parameter names: x0, x1, ...
+
+    def owns(self, vals) -> bool:
+        return any(isinstance(v, Code) for v in vals)
+
+    def call(self, op, args: tuple):
+        return staged_call(op, args, self.params)
+
+    def max_aligned(self, step: int, hi, pred):
+        return staged_call(OPERATORS["max_aligned"], (step, hi, pred), self.params)
 
 
-def staged_call(op, args: tuple) -> Any:
+def staged_call(op, args: tuple, params) -> Any:
     """An operator of ``terms`` (``op``, an :class:`kvhit.spec.terms.Operator`) called on staged values:
     the node its ``source`` template makes of them. Operands a template puts in a branch (``{1}`` and
-    ``{2}`` of ``ite``, ``{1}`` of ``and``/``or``) are lazy; ``max_aligned``'s predicate becomes a lambda."""
+    ``{2}`` of ``ite``, ``{1}`` of ``and``/``or``) are lazy; ``max_aligned``'s predicate becomes a lambda
+    whose parameter is named by the next number of ``params``."""
     name = op.name
     if name == "max_aligned":
         step, hi, pred = args
-        var = f"x{next(_params)}"
+        var = f"x{next(params)}"
         x = Code(var, bound=frozenset([var]))
         body = pred(x)
         if not isinstance(body, Code):  # a predicate the layout decides: True or False for every x
@@ -182,7 +198,7 @@ def staged_call(op, args: tuple) -> Any:
     if name == "ite":
         cond, then, other = args
         if isinstance(then, tuple):
-            return tuple(staged_call(op, (cond, t, o)) for t, o in zip(then, other, strict=True))
+            return tuple(staged_call(op, (cond, t, o), params) for t, o in zip(then, other, strict=True))
         return Code(op.source, tuple(_check_operand(a) for a in args), lazy=frozenset([1, 2]))
     return Code(op.source, tuple(_check_operand(a) for a in args))
 
@@ -298,15 +314,10 @@ def stage(fn: Callable, *args, name: str = "staged", **kwargs) -> tuple[str, Cal
     n = Code("n_tokens")
     cache = StagedCache()
     args = tuple(n if a is N else a for a in args)
-    global _params
-    _params = itertools.count()
-    if _LOWERING.get("z3"):
-        raise SpecError("staging inside the Z3 lowering")
-    _LOWERING["stage"] = True
-    try:
+    if active() is not None:
+        raise SpecError(f"staging inside another lowering ({type(active()).__name__})")
+    with installed(StagedLowering()):
         out = fn(cache, *args, **kwargs)
-    finally:
-        _LOWERING["stage"] = False
     outputs = out if isinstance(out, tuple) else (out,)
     source = _emit(tuple(outputs), ("n_tokens", "cache"), name)
     namespace = {"max_aligned": runtime.max_aligned}

@@ -14,6 +14,11 @@ layout concrete and the request as staged Python expressions, each operator call
 ``source`` template, which leaves one function of the request for that layout (what the vLLM adapter
 calls per lookup).
 
+The operators know none of those modules. A lowering other than plain Python subclasses
+:class:`Lowering` and installs itself with :func:`installed` while it runs the spec; the operators
+consult the lowering in force through that one interface (a staged operand, ``max_aligned``, a fixed-point
+loop's ``passes``, a written cache) and never import the module that defines it.
+
 Two rules keep the lowerings honest:
 
 * A symbolic value in a Python ``if``/``and``/``or``/``not`` raises :class:`SymbolicBranchError`
@@ -24,7 +29,10 @@ Two rules keep the lowerings honest:
 
 from __future__ import annotations
 
+import itertools
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -196,16 +204,75 @@ def is_symbolic(*vals) -> bool:
     return any(isinstance(v, Term) or hasattr(v, "__kvhit_set__") for v in vals)
 
 
-def _staged(*vals) -> bool:
-    """Whether the staged lowering (:mod:`kvhit.spec.stage`) is running and a value is one of its."""
-    return bool(_LOWERING.get("stage")) and any(hasattr(v, "__kvhit_code__") for v in vals)
+# ----------------------------------------------------------------------------------------------------
+# The lowering in force: the one interface between the operators and the modules that lower them
+# ----------------------------------------------------------------------------------------------------
 
 
-def _stage(name: str, *args):
-    """The call of operator ``name`` in the staged lowering: the expression its ``source`` makes."""
-    from .stage import staged_call
+class Lowering:
+    """What the operators do while a lowering other than plain Python runs the spec.
 
-    return staged_call(OPERATORS[name], args)
+    The operators know no lowering module: a lowering (:func:`kvhit.spec.lower_z3.lowering`,
+    :func:`kvhit.spec.stage.stage`) subclasses this, overrides the hooks whose meaning it changes, and
+    installs an instance with :func:`installed` while it executes the spec; the operators consult it through
+    :func:`active` and these hooks only. The defaults are the Python meaning, which is also what runs when no
+    lowering is installed.
+    """
+
+    def owns(self, vals) -> bool:
+        """Whether some of ``vals`` are this lowering's own symbolic values: an operator applied to them
+        is then this lowering's :meth:`call`, not evaluated by the operator itself."""
+        return False
+
+    def call(self, op: "Operator", args: tuple):
+        """Operator ``op`` applied to ``args``, some of them this lowering's values (see :meth:`owns`)."""
+        raise SpecError(f"{type(self).__name__} does not lower {op.name}")
+
+    def max_aligned(self, step: int, hi, pred):
+        """:func:`max_aligned`, its divisor already checked: in Python, the downward scan."""
+        if is_symbolic(hi):
+            raise SpecError(f"max_aligned up to the symbolic bound {hi!r} outside the Z3 lowering "
+                            "(kvhit.spec.lower_z3.lowering())")
+        return runtime.max_aligned(step, hi, pred)
+
+    def passes(self, bound: int):
+        """:func:`passes`: in Python, unbounded."""
+        return itertools.count()
+
+    def written(self, groups: tuple):
+        """:func:`written` of symbolic descriptions; ``None``: read them with the plain loops."""
+        return None
+
+
+# The lowering in force in this context, if any: written only by installed().
+_ACTIVE: ContextVar[Lowering | None] = ContextVar("kvhit_spec_lowering", default=None)
+_PYTHON = Lowering()
+
+
+@contextmanager
+def installed(lowering: Lowering):
+    """Run the operators under ``lowering`` until the block ends (then the one in force before, if any).
+
+    A context variable rather than a module global: a lowering in one thread or task is not seen in
+    another, and only this function sets it.
+    """
+    token = _ACTIVE.set(lowering)
+    try:
+        yield lowering
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Lowering | None:
+    """The lowering :func:`installed` put in force, or None while the spec runs on Python values."""
+    return _ACTIVE.get()
+
+
+def _owner(*vals) -> Lowering | None:
+    """The lowering in force, when some of ``vals`` are its own values (an operator applied to them is its
+    :meth:`Lowering.call`); else None, and the operator evaluates itself."""
+    lowering = _ACTIVE.get()
+    return lowering if lowering is not None and lowering.owns(vals) else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,8 +309,9 @@ def _operator(source: str, doc: str):
 @_operator("({1} if {0} else {2})", "if-then-else; both branches must have the same shape")
 def ite(cond, then, other):
     """``then`` if ``cond`` else ``other``. Tuples are chosen element-wise in Z3."""
-    if _staged(cond, then, other) or (isinstance(then, tuple) and _staged(cond, *then, *other)):
-        return _stage("ite", cond, then, other)
+    elements = (*then, *other) if isinstance(then, tuple) else ()
+    if (lowering := _owner(cond, then, other, *elements)) is not None:
+        return lowering.call(OPERATORS["ite"], (cond, then, other))
     if not is_symbolic(cond):
         return then if cond else other
     if isinstance(then, tuple):
@@ -257,8 +325,8 @@ def ite(cond, then, other):
 
 @_operator("min({0}, {1})", "minimum of two integers")
 def min_(a, b):
-    if _staged(a, b):
-        return _stage("min_", a, b)
+    if (lowering := _owner(a, b)) is not None:
+        return lowering.call(OPERATORS["min_"], (a, b,))
     if not is_symbolic(a, b):
         return min(a, b)
     return ite(a <= b, a, b)
@@ -266,8 +334,8 @@ def min_(a, b):
 
 @_operator("max({0}, {1})", "maximum of two integers")
 def max_(a, b):
-    if _staged(a, b):
-        return _stage("max_", a, b)
+    if (lowering := _owner(a, b)) is not None:
+        return lowering.call(OPERATORS["max_"], (a, b,))
     if not is_symbolic(a, b):
         return max(a, b)
     return ite(a >= b, a, b)
@@ -287,8 +355,8 @@ def floor_to(a, unit):
 
 @_operator("(({0}) == ({1}))", "integer equality")
 def eq(a, b):
-    if _staged(a, b):
-        return _stage("eq", a, b)
+    if (lowering := _owner(a, b)) is not None:
+        return lowering.call(OPERATORS["eq"], (a, b,))
     if not is_symbolic(a, b):
         return a == b
     return _cmp(a, b, "eq")
@@ -305,8 +373,8 @@ def _symbolic_connective(op: str, a, b):
 
 @_operator("({0} and {1})", "conjunction")
 def and_(a, b):
-    if _staged(a, b):
-        return _stage("and_", a, b)
+    if (lowering := _owner(a, b)) is not None:
+        return lowering.call(OPERATORS["and_"], (a, b,))
     if not is_symbolic(a, b):
         return a and b
     if a is False or b is False:  # a concrete False decides it, as in Python
@@ -316,8 +384,8 @@ def and_(a, b):
 
 @_operator("({0} or {1})", "disjunction")
 def or_(a, b):
-    if _staged(a, b):
-        return _stage("or_", a, b)
+    if (lowering := _owner(a, b)) is not None:
+        return lowering.call(OPERATORS["or_"], (a, b,))
     if not is_symbolic(a, b):
         return a or b
     if a is True or b is True:  # a concrete True decides it, as in Python
@@ -327,8 +395,8 @@ def or_(a, b):
 
 @_operator("(not {0})", "negation (not of a predicate on a scan variable)")
 def not_(a):
-    if _staged(a):
-        return _stage("not_", a)
+    if (lowering := _owner(a)) is not None:
+        return lowering.call(OPERATORS["not_"], (a,))
     if not is_symbolic(a):
         return not a
     if hasattr(a, "__kvhit_set__"):
@@ -347,25 +415,22 @@ def max_aligned(step: int, hi, pred: Callable[[Any], Any]):
     lowered to a finite union of intervals of ``x`` and the maximum is taken in closed form (no quantifier).
     """
     _positive_divisor(step)
-    if _LOWERING.get("stage"):  # staged even at a concrete bound: the predicate may ask the cache
-        return _stage("max_aligned", step, hi, pred)
-    if is_symbolic(hi):
-        from .lower_z3 import symbolic_max_aligned
-
-        return symbolic_max_aligned(step, hi, pred)
-    return runtime.max_aligned(step, hi, pred)
+    return (_ACTIVE.get() or _PYTHON).max_aligned(step, hi, pred)
 
 
 @_operator("written_cache({0})", "the cache a write side leaves: per spec group a Held, or a tuple of Held layers")
 def written(groups):
     """The cache state the :class:`kvhit.spec.cache.Held` descriptions say, for the read side to consume:
-    plain loops in Python, a decision procedure over tails and points in Z3. A spec group given as a tuple
-    of :class:`Held` layers (what several earlier prompts left) holds their union in both lowerings
+    plain loops in Python (:func:`kvhit.spec.cache.written_cache`), a decision procedure over tails and
+    points in Z3 (the lowering's :meth:`Lowering.written`). A spec group given as a tuple of :class:`Held`
+    layers (what several earlier prompts left) holds their union in both lowerings
     (:func:`kvhit.spec.cache.layers`)."""
-    if _LOWERING.get("z3"):
-        from .lower_z3 import SymbolicWrittenCache
-
-        return SymbolicWrittenCache(tuple(groups))
+    lowering = _ACTIVE.get()
+    cache = None if lowering is None else lowering.written(tuple(groups))
+    if cache is not None:
+        return cache
+    # The plain loops live with Held in spec/cache.py, which imports this module: the one import of a
+    # module above this one left here (moving the operator's Python meaning next to Held removes it).
     from .cache import written_cache
 
     return written_cache(groups)
@@ -377,11 +442,7 @@ def passes(bound: int):
     The loop body must guard its state with ``ite`` on a ``done`` flag and leave with ``if stop(done):
     break``; in Z3 ``stop`` never breaks, so the unrolled passes after convergence change nothing.
     """
-    import itertools
-
-    if _LOWERING.get("z3"):
-        return range(bound)
-    return itertools.count()
+    return (_ACTIVE.get() or _PYTHON).passes(bound)
 
 
 def stop(done) -> bool:
@@ -393,9 +454,6 @@ def stop(done) -> bool:
 
 OPERATORS["passes"] = Operator("passes", "itertools.count()", "passes of a fixed-point loop")
 OPERATORS["stop"] = Operator("stop", "{0}", "leave a fixed-point loop once done")
-
-# Set by the Z3 lowering while it executes the spec.
-_LOWERING: dict[str, Any] = {}
 
 lcm_all = runtime.lcm_all
 gcd_all = runtime.gcd_all
