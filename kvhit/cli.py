@@ -1,8 +1,9 @@
 """The ``kvhit`` command: ``prove``, ``gen``, and the operator tools ``explain``, ``plan`` and ``status``.
 
 ``prove`` and ``gen`` need z3 and the spec; ``explain`` and ``plan`` use only the generated refimpl (and
-the catalogue's data), so they run where neither z3 nor vLLM is installed; ``status`` reads a running
-server's ``/metrics`` and the plugin's status file with the standard library.
+the catalogue's data), so they run where neither z3 nor vLLM is installed (``explain --compare`` evaluates
+the claims of ``kvhit.proofs`` and so needs z3); ``status`` reads a running server's ``/metrics`` and the
+plugin's status file with the standard library.
 """
 
 import argparse

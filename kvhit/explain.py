@@ -10,8 +10,9 @@ Every number in a trace comes from ``kvhit.refimpl``; nothing here re-implements
   was looked up at and whether it dropped;
 * the reference policy is ``refimpl.reference_hit_tokens``; its explanation is ``group_extents``,
   ``reference_pass`` and ``group_serves`` at the hit and at the next aligned length;
-* ``--compare`` checks each policy's hit against the invariants of ``make prove`` on these concrete values
-  (the same checks as ``tests/properties/test_invariants_concrete.py``) and names the ones it violates.
+* ``--compare`` evaluates the claim functions of ``make prove`` (``kvhit.proofs``) on these concrete values
+  through ``kvhit.proofs.concrete``, as ``tests/properties/test_invariants_concrete.py`` does, and names the
+  ones a policy's hit violates (only ``--compare`` imports ``kvhit.proofs``, and so z3).
 
 The cache is, by default, what the first request left: ``refimpl.request_writes`` (the write side of the
 spec) under each policy's own rules and the chosen retention interval (vLLM's default 0), read through
@@ -29,7 +30,7 @@ import kvhit.refimpl.policy as _policy
 from kvhit import refimpl
 from kvhit.dense import DenseCache
 from kvhit.layouts import describe_group, to_json
-from kvhit.refimpl import Kind, Mode, Speculation
+from kvhit.refimpl import Kind, Speculation
 
 SCHEMA_ID = "kvhit.explain/1"
 POLICIES = ("reference", "vllm_0_33", "historical")
@@ -320,64 +321,97 @@ def policy_trace(layout, spec, n_tokens, make_cache, policy):
 # invariants, on concrete values
 # --------------------------------------------------------------------------------------------------
 
-def violations(layout, spec, n_tokens, make_cache, policy, whole_prompt):
+# The invariants of ``make prove`` that speak of one request's hit, in the order the comparison names them.
+# (``dcp_scales_only_sharded_groups`` and ``hit_loop_terminates`` are about the layout and the loop, not about
+# one hit; the other write-side claims are about streams of requests explain does not trace.)
+READ_SIDE_INVARIANTS = ("hit_is_aligned_and_capped", "lookup_stays_within_hashes", "hit_is_valid_in_every_group",
+                        "hit_is_the_longest_valid", "eagle_loses_at_most_one_block_beyond_alignment")
+WRITE_SIDE_INVARIANTS = ("scheduler_and_mask_boundaries_agree", "second_repeat_is_stable")
+
+
+def _invariants():
+    """``kvhit.proofs.concrete`` and the invariants by name (imported here: only ``--compare`` needs z3)."""
+    try:
+        from kvhit.proofs import concrete
+        from kvhit.proofs.runner import BY_NAME
+    except ModuleNotFoundError as e:
+        if e.name != "z3":
+            raise
+        raise ValueError("--compare evaluates the invariants of kvhit.proofs, which need z3: "
+                         "pip install 'kvhit[prove]'") from None
+    return concrete, BY_NAME
+
+
+def violations(layout, spec, n_tokens, make_cache, policy):
     """The invariants of ``make prove`` that this policy's hit breaks on this request and cache.
 
-    Checked per request: ``hit_is_aligned_and_capped``, ``lookup_stays_within_hashes``,
-    ``hit_is_valid_in_every_group``, ``hit_is_the_longest_valid`` and, with speculation on,
-    ``eagle_loses_at_most_one_block_beyond_alignment``. (``dcp_scales_only_sharded_groups`` and
-    ``hit_loop_terminates`` are about the layout and the loop, not about one hit.) ``make_cache`` builds
-    the cache the request reads; ``whole_prompt``: it holds every boundary of the prompt (the second half of
-    the eagle invariant is about that cache only).
+    Each verdict is the invariant's claim function in ``kvhit.proofs``, evaluated on these concrete values
+    (``kvhit.proofs.concrete``); the ``why`` only renders what the claim showed. The witness tried for
+    ``hit_is_the_longest_valid``'s longer ``y`` is the reference's hit on the same cache (the module
+    docstring of ``kvhit.proofs.concrete`` says why that is exact). ``make_cache`` builds the cache the
+    request reads.
     """
+    concrete, by_name = _invariants()
     ref = refimpl.policy_rules("reference")
     rules = refimpl.policy_rules(policy)
     sizes = refimpl.derive_sizes(layout, spec, rules.scale_replicated)
-    hit, reach, _, _ = refimpl.hit_tokens(make_cache(), sizes, n_tokens, rules)
-    r = refimpl.hash_reach(sizes, n_tokens)
-    a = sizes.alignment
-    cache = make_cache()
-    ext = refimpl.group_extents(cache, sizes, r)
-
-    def serves(s, x):
-        c = make_cache()
-        return refimpl.serves_all(c, s, x, refimpl.group_extents(c, s, refimpl.hash_reach(s, n_tokens)),
-                                  refimpl.hash_reach(s, n_tokens), ref)
-
+    config = concrete.config_of(layout, spec)
+    witnesses = {"y": [refimpl.hit_tokens(make_cache(), sizes, n_tokens, ref)[0]]}
     out = []
-    broken = ([f"not a multiple of A = {a}"] if hit % a else []) + (["negative"] if hit < 0 else []) \
-        + ([f"above N - 1 = {n_tokens - 1}"] if hit > max(n_tokens - 1, 0) else []) \
-        + ([f"above |H|*h = {r}, the tokens the request's hashes cover"] if hit > r else [])
-    if broken:
-        out.append({"invariant": "hit_is_aligned_and_capped", "why": f"hit {hit} is " + " and ".join(broken)})
-    if reach > r:
-        out.append({"invariant": "lookup_stays_within_hashes",
-                    "why": f"a lookup reads boundary {reach}, past |H|*h = {r}: vLLM raises IndexError"})
-    if hit and not serves(sizes, hit):
-        bad = [k for k in range(len(sizes.groups))
-               if not refimpl.group_serves(cache, sizes, k, hit, ext[k], r, ref)]
-        out.append({"invariant": "hit_is_valid_in_every_group",
-                    "why": f"group(s) {', '.join(map(str, bad))} cannot serve {hit}: "
-                           + "; ".join(_why_not(cache, sizes, k, hit, ext, r, ref) for k in bad)})
-    ref_hit = refimpl.hit_tokens(make_cache(), sizes, n_tokens, ref)[0]
-    if ref_hit > hit and serves(sizes, ref_hit):
-        out.append({"invariant": "hit_is_the_longest_valid",
-                    "why": f"{ref_hit} > {hit} is a multiple of A = {a}, within min(N - 1, |H|*h) and "
-                           f"every group serves it (the reference hit)"})
-    if spec.mode is not Mode.NONE:
-        sizes0 = refimpl.derive_sizes(layout, refimpl.NO_SPECULATION, rules.scale_replicated)
-        h0 = refimpl.hit_tokens(make_cache(), sizes0, n_tokens, rules)[0]
-        bound = max(0, min(n_tokens - 1, r - sizes.eagle_unit)) // a * a
-        if h0 <= r and serves(sizes, h0) and hit < h0:
-            out.append({"invariant": "eagle_loses_at_most_one_block_beyond_alignment",
-                        "why": f"without speculation the hit is {h0}, and every group (each dropping EAGLE "
-                               f"group with its drop unit past it) serves {h0} with speculation too, yet the "
-                               f"hit is {hit}"})
-        elif whole_prompt and hit < bound:
-            out.append({"invariant": "eagle_loses_at_most_one_block_beyond_alignment",
-                        "why": f"with the whole prompt cached the hit must be at least "
-                               f"floor_A(min(N - 1, |H|*h - D)) = {bound} (D = {sizes.eagle_unit})"})
+    for name in READ_SIDE_INVARIANTS:
+        invariant = by_name[name]
+        if not invariant.applies(config):
+            continue
+        found = concrete.violation(invariant.claim, config, rules, n_tokens, make_cache(), witnesses)
+        if found is None:
+            continue
+        if name == "eagle_loses_at_most_one_block_beyond_alignment":
+            # part (a) is the claim with its whole-cache premise taken as false; otherwise part (b) failed
+            part_a = concrete.violation(invariant.claim, config, rules, n_tokens, make_cache(), witnesses,
+                                        dense_premises=False) is not None
+            why = _why_eagle(found, sizes, n_tokens, part_a)
+        else:
+            why = _WHY[name](found, sizes, n_tokens, make_cache())
+        out.append({"invariant": name, "why": why})
     return out
+
+
+def _why_aligned(found, sizes, n_tokens, cache):
+    return (f"hit {found.shown['hit']} with A = {sizes.alignment}, N - 1 = {n_tokens - 1} and |H|*h = "
+            f"{refimpl.hash_reach(sizes, n_tokens)}, the tokens the request's hashes cover")
+
+
+def _why_within_hashes(found, sizes, n_tokens, cache):
+    return (f"a lookup reads boundary {found.shown['reach']}, past |H|*h = {found.shown['hash_reach']}: "
+            f"vLLM raises IndexError")
+
+
+def _why_valid(found, sizes, n_tokens, cache):
+    ref = refimpl.policy_rules("reference")
+    hit, r = found.shown["hit"], refimpl.hash_reach(sizes, n_tokens)
+    ext = refimpl.group_extents(cache, sizes, r)
+    bad = [k for k in range(len(sizes.groups)) if not refimpl.group_serves(cache, sizes, k, hit, ext[k], r, ref)]
+    return (f"group(s) {', '.join(map(str, bad))} cannot serve {hit}: "
+            + "; ".join(_why_not(cache, sizes, k, hit, ext, r, ref) for k in bad))
+
+
+def _why_longest(found, sizes, n_tokens, cache):
+    return (f"{found.values['y']} > {found.shown['hit']} is a multiple of A = {sizes.alignment}, within "
+            f"min(N - 1, |H|*h) and every group serves it (the reference hit)")
+
+
+def _why_eagle(found, sizes, n_tokens, part_a):
+    h0, hit = found.shown["hit_without_speculation"], found.shown["hit"]
+    if part_a:
+        return (f"without speculation the hit is {h0}, and every group (each dropping EAGLE group with its drop "
+                f"unit past it) serves {h0} with speculation too, yet the hit is {hit}")
+    return (f"with the whole prompt cached the hit {hit} must be at least floor_A(min(N - 1, |H|*h - D)), with "
+            f"A = {sizes.alignment}, N - 1 = {n_tokens - 1}, |H|*h = {refimpl.hash_reach(sizes, n_tokens)} and "
+            f"D = {sizes.eagle_unit}")
+
+
+_WHY = {"hit_is_aligned_and_capped": _why_aligned, "lookup_stays_within_hashes": _why_within_hashes,
+        "hit_is_valid_in_every_group": _why_valid, "hit_is_the_longest_valid": _why_longest}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -434,26 +468,44 @@ def write_side(layout, spec, n_tokens, interval, policy, sibling):
     }
 
 
-def write_violations(side):
-    """The write-side invariants of ``make prove`` that a policy breaks on this prompt."""
+def write_violations(layout, spec, n_tokens, interval, policy, side):
+    """The write-side invariants of ``make prove`` that a policy breaks on this prompt (``side``: its
+    ``write_side`` section, for the masks the ``why`` names).
+
+    Each verdict is the claim function in ``kvhit.proofs``, evaluated concretely; the sibling tried for
+    ``scheduler_and_mask_boundaries_agree``'s longer prompt ``N2`` is the one the section shows."""
+    concrete, by_name = _invariants()
+    rules = refimpl.policy_rules(policy)
+    config = concrete.config_of(layout, spec, interval, write_side=True)
     out = []
-    first, near = side["first_repeat"]["hit"], side["sibling"]
-    if first != side["dense_hit"] or near["hit"] != near["dense_hit"]:
-        sparse = "; ".join(f"g{g['group']} {g['kind']} keeps " + (runs(g["boundaries"], g["grid"]) or "nothing")
-                           for g in side["groups"] if g["all_up_to"] is None)
-        why = []
-        if first != side["dense_hit"]:
-            why.append(f"the first repeat hits {first} where every state retained gives {side['dense_hit']}")
-        if near["hit"] != near["dense_hit"]:
-            why.append(f"the sibling of {near['n_tokens']} tokens hits {near['hit']} where every state retained "
-                       f"gives {near['dense_hit']}")
-        out.append({"invariant": "scheduler_and_mask_boundaries_agree",
-                    "why": "; ".join(why) + (f" (the masks: {sparse})" if sparse else "")})
-    later = side["repeat_hits"][1:]
-    if len(set(later)) > 1:
-        out.append({"invariant": "second_repeat_is_stable",
-                    "why": f"repeats 2..{len(side['repeat_hits'])} hit {', '.join(map(str, later))}"})
+    for name in WRITE_SIDE_INVARIANTS:
+        found = concrete.violation(by_name[name].claim, config, rules, n_tokens, None,
+                                   {"N2": [side["sibling"]["n_tokens"]]})
+        if found is not None:
+            out.append({"invariant": name, "why": _WHY_WRITTEN[name](found, side)})
     return out
+
+
+def _why_boundaries(found, side):
+    shown = found.shown
+    sparse = "; ".join(f"g{g['group']} {g['kind']} keeps " + (runs(g["boundaries"], g["grid"]) or "nothing")
+                       for g in side["groups"] if g["all_up_to"] is None)
+    why = []
+    if shown["first_repeat_hit"] != shown["resume_point"]:
+        why.append(f"the first repeat hits {shown['first_repeat_hit']} where every state retained gives "
+                   f"{shown['resume_point']}")
+    if shown["sibling_hit"] != shown["sibling_hit_dense"]:
+        why.append(f"the sibling of {found.values['N2']} tokens hits {shown['sibling_hit']} where every state "
+                   f"retained gives {shown['sibling_hit_dense']}")
+    return "; ".join(why) + (f" (the masks: {sparse})" if sparse else "")
+
+
+def _why_stable(found, side):
+    hits = found.shown["repeat_hits"]
+    return f"repeats 2..{len(hits)} hit {', '.join(map(str, hits[1:]))}"
+
+
+_WHY_WRITTEN = {"scheduler_and_mask_boundaries_agree": _why_boundaries, "second_repeat_is_stable": _why_stable}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,7 +550,6 @@ def explain(layout, spec, n_tokens, policies=("reference",), cached=None, retent
                   for p in policies}
         extents = [g.extent for g in next(iter(writes.values()))]
         makers = {p: (lambda w=writes[p]: refimpl.written_cache(w)) for p in policies}
-        whole_prompt = False
         assumption = ("what the first request with this prompt, run on an empty cache, left under each "
                       "policy's write side (refimpl.request_writes) with this retention interval; the traces "
                       "are the first repeat")
@@ -510,8 +561,6 @@ def explain(layout, spec, n_tokens, policies=("reference",), cached=None, retent
                              f"retains every state); drop --cache dense")
         extents = cache_extents(cached, n_tokens, len(sizes.groups))
         makers = dict.fromkeys(policies, lambda: DenseCache(extents))
-        sizes0 = refimpl.derive_sizes(layout, refimpl.NO_SPECULATION)
-        whole_prompt = all(e >= refimpl.hash_reach(sizes0, n_tokens) for e in extents)
         assumption = ("every spec group holds every block boundary up to its extent: what a previous request "
                       "sharing that prefix leaves when every state is retained")
         retention_interval = None
@@ -537,10 +586,10 @@ def explain(layout, spec, n_tokens, policies=("reference",), cached=None, retent
     if compare:
         out["comparison"] = []
         for i, t in enumerate(traces):
-            found = violations(layout, spec, n_tokens, makers[t["policy"]], t["policy"], whole_prompt)
+            found = violations(layout, spec, n_tokens, makers[t["policy"]], t["policy"])
             entry = {"policy": t["policy"], "hit": t["hit"], "violations": found}
             if cache == "written":
-                found += write_violations(sides[i])
+                found += write_violations(layout, spec, n_tokens, retention_interval, t["policy"], sides[i])
                 entry.update(second_repeat=sides[i]["second_repeat"]["hit"], sibling=sides[i]["sibling"]["hit"])
             out["comparison"].append(entry)
     return out

@@ -1,10 +1,18 @@
 """The invariants of `make prove`, checked on concrete integers over wider ranges than Z3 enumerates
-(random layouts outside the catalogue, prompts up to 3000 tokens, arbitrary cache states)."""
+(random layouts outside the catalogue, prompts up to 3000 tokens, arbitrary cache states).
+
+Each invariant is its claim function in ``kvhit.proofs``, the definition the prover runs, here evaluated on
+the generated refimpl by ``kvhit.proofs.concrete``. The witness ``y`` of ``hit_is_the_longest_valid`` ranges
+over every multiple of ``A`` from 0 up to ``min(N - 1, |H| * h)``, so that claim is checked exactly; each check also
+asserts that the claim's assumption held, so none passes vacuously.
+"""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhit import refimpl
+from kvhit.proofs.concrete import ConcreteContext, config_of, outcomes
+from kvhit.proofs.runner import BY_NAME
 from kvhit.refimpl import Speculation
 
 from .strategies import caches, layouts, speculations
@@ -18,11 +26,13 @@ def _setup(data, layout, speculation, n):
     return sizes, sets
 
 
-def _serves(sizes, sets, n, x):
-    cache = refimpl.CacheState.from_sets(sets)
-    reach = refimpl.num_hashes(sizes, n) * sizes.hash_block
-    extents = refimpl.group_extents(cache, sizes, reach)
-    return refimpl.serves_all(cache, sizes, x, extents, reach, REF)
+def _assert_holds(name, layout, speculation, n, cache, candidates=None):
+    """The claim ``name`` holds for the reference at every candidate, its assumption holding at each."""
+    checked = list(outcomes(BY_NAME[name].claim, config_of(layout, speculation), REF, n, cache, candidates))
+    assert checked, f"{name}: no candidate was tried"
+    for outcome in checked:
+        assert outcome.assumption, f"{name}: the assumption fails at {outcome.values} (a vacuous check)"
+        assert outcome.holds, f"{name} fails at {outcome.values}: {outcome.shown}"
 
 
 @settings(max_examples=300, deadline=None)
@@ -30,14 +40,14 @@ def _serves(sizes, sets, n, x):
 def test_reference_hit_is_aligned_capped_valid_and_longest(data, layout, speculation, n):
     sizes, sets = _setup(data, layout, speculation, n)
     cache = refimpl.CacheState.from_sets(sets)
-    hit, reach, _, _ = refimpl.hit_tokens(cache, sizes, n, REF)
-    hash_reach = refimpl.num_hashes(sizes, n) * sizes.hash_block
-    assert hit % sizes.alignment == 0 and 0 <= hit <= n - 1 and hit <= hash_reach
-    assert hit == 0 or _serves(sizes, sets, n, hit)
-    cap = min(n - 1, hash_reach)
-    for y in range(hit + sizes.alignment, cap + 1, sizes.alignment):
-        assert not _serves(sizes, sets, n, y), f"{y} is longer than the hit {hit} and valid"
-    assert cache.max_query <= reach <= hash_reach
+    for name in ("hit_is_aligned_and_capped", "lookup_stays_within_hashes", "hit_is_valid_in_every_group"):
+        _assert_holds(name, layout, speculation, n, cache)
+    cap = min(n - 1, refimpl.hash_reach(sizes, n))  # y = 0 is never longer: it runs the claim when cap < A
+    _assert_holds("hit_is_the_longest_valid", layout, speculation, n, cache,
+                  {"y": range(0, cap + 1, sizes.alignment)})
+    fresh = refimpl.CacheState.from_sets(sets)
+    _, reach, _, _ = refimpl.hit_tokens(fresh, sizes, n, REF)
+    assert fresh.max_query <= reach
 
 
 @settings(max_examples=300, deadline=None)
@@ -57,15 +67,12 @@ def test_reported_reach_covers_every_read(data, layout, speculation, n, policy):
        speculation=st.sampled_from([Speculation("drop", 1), Speculation("lookahead", 1),
                                     Speculation("lookahead", 3, True)]))
 def test_reference_eagle_loses_at_most_one_block_beyond_alignment(data, layout, speculation, n):
+    """Part (a) on an arbitrary cache, and both parts on a cache whose every group holds every boundary up
+    to the hashes without speculation (where part (b) speaks)."""
+    name = "eagle_loses_at_most_one_block_beyond_alignment"
     sizes1, sets = _setup(data, layout, speculation, n)
-    sizes0 = refimpl.derive_sizes(layout, Speculation("none"))
-    h0 = refimpl.hit_tokens(refimpl.CacheState.from_sets(sets), sizes0, n, REF)[0]
-    h1 = refimpl.hit_tokens(refimpl.CacheState.from_sets(sets), sizes1, n, REF)[0]
-    r1 = refimpl.num_hashes(sizes1, n) * sizes1.hash_block
-    if h0 <= r1 and _serves(sizes1, sets, n, h0):
-        assert h1 >= h0
-    r0 = refimpl.num_hashes(sizes0, n) * sizes0.hash_block
-    dense = [set(range(1, r0 + 1))] * len(sizes1.groups)
-    h1_dense = refimpl.hit_tokens(refimpl.CacheState.from_sets(dense), sizes1, n, REF)[0]
-    bound = min(n - 1, r1 - sizes1.eagle_unit) // sizes1.alignment * sizes1.alignment
-    assert h1_dense >= bound
+    _assert_holds(name, layout, speculation, n, refimpl.CacheState.from_sets(sets))
+    r0 = refimpl.hash_reach(refimpl.derive_sizes(layout, Speculation("none")), n)
+    whole = refimpl.CacheState.from_sets([set(range(1, r0 + 1))] * len(sizes1.groups))
+    assert ConcreteContext(config_of(layout, speculation), REF, n, whole).dense(r0), "part (b) is not exercised"
+    _assert_holds(name, layout, speculation, n, whole)
