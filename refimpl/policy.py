@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 35339dd5fa883bb6a96cc3af2c1d3e56ba36a8a09ffabb07f11ffa5c654cd598
-output-sha256: 2c166d993adaa62e23e05ef1b27831357d065c69f9263579b96bfaf2e4db3695
+spec-sha256: e92cc7f9294903e36f4d8a11eb1eec83d567bd14e1fc326ba12c7dd55f7362b6
+output-sha256: 5ea7499303ba9b8e52fe12c6f19d2fc0c5c5721197f936763e38e43d02d17cd8
 """
 
 import itertools
@@ -552,12 +552,41 @@ def written_cache(groups):
 # policy is a named combination of them (:data:`POLICIES`). Notation used in the docstrings:
 #
 # * ``N`` prompt tokens; ``M`` the most a lookup may return; ``A`` the alignment; ``h`` the hash unit;
-#   ``|H|`` the request's block hashes, so no lookup may read a boundary past ``|H| * h``.
-# * a lookup returns ``(hit, reach)``: the hit in tokens and the highest boundary it reads.
+#   ``|H|`` the request's block hashes, which cover ``covered = |H| * h`` tokens
+#   (:func:`kvhit.spec.sizes.hash_reach`): no lookup may read a boundary past it.
+# * a lookup returns ``(hit, reach)``: the hit in tokens and ``reach``, the highest boundary it reads.
 # * a coordinator returns ``(hit, reach, longest, converged)``; ``longest`` is vLLM's largest intermediate
 #   candidate (``num_uncached_common_prefix_tokens = longest - hit``), ``converged`` whether the fixed-point
 #   loop stopped within the passes a lowering unrolled (always True in Python).
 # --------------------------------------------------------------------------------------------------
+
+class Replay(str, Enum):
+    """Where a policy's write side keeps state for a later request
+    (:func:`kvhit.spec.retention.replay_boundaries`).
+
+    * ``vllm``: vLLM 0.33's ``replay_boundaries`` (``N - 1``, or with an EAGLE drop one scheduler block
+      below the resend's and a longer sibling's aligned boundaries).
+    * ``prompt_end``: ``N - 1`` only (vLLM before its EAGLE-aware boundaries).
+    * ``resume``: the points kvhit's own read side resumes at, then vLLM's boundaries.
+
+    Compared with ``==``: the proofs replay the generated refimpl with the spec's rules, and the two
+    modules' members are equal by value, not identical.
+    """
+    VLLM = 'vllm'
+    PROMPT_END = 'prompt_end'
+    RESUME = 'resume'
+
+class Junction(str, Enum):
+    """Where a request records its shared-prefix junction (:func:`kvhit.spec.retention.junction_of`).
+
+    * ``uncached``: vLLM ``hit + num_uncached_common_prefix_tokens`` (the longest candidate its lookup
+      saw), when that passes the hit.
+    * ``next_block``: one scheduler block past the hit.
+
+    Compared with ``==``, as :class:`Replay`.
+    """
+    UNCACHED = 'uncached'
+    NEXT_BLOCK = 'next_block'
 
 @dataclass(frozen=True)
 class Rules:
@@ -577,15 +606,16 @@ class Rules:
         drop_once: an EAGLE group drops once per lookup (vLLM's ``eagle_verified`` set); without it, it
             drops again on every pass of the loop (vLLM #32802).
         scale_replicated: DCP scales every group's block, sharded or not.
-        replay: where the write side keeps state for a later request (:mod:`kvhit.spec.retention`):
-            ``"vllm"`` (vLLM 0.33's ``replay_boundaries``), ``"prompt_end"`` (``N - 1`` only, before the
-            EAGLE-aware boundaries), ``"resume"`` (the read side's own resume points).
+        replay: where the write side keeps state for a later request (:class:`Replay`).
         checkpoint_drop: the scheduler's Mamba prompt checkpoint accounts for the EAGLE drop.
         sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
-        junction: where a request records its shared-prefix junction: ``"uncached"`` (vLLM ``hit +
-            num_uncached``) or ``"next_block"`` (one scheduler block past the hit).
+        junction: where a request records its shared-prefix junction (:class:`Junction`).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
+
+    Raises:
+        ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
+            must not fall through to vLLM's behaviour).
     """
     name: str
     declarative: bool = False
@@ -596,23 +626,27 @@ class Rules:
     pop_after_peek: bool = True
     drop_once: bool = True
     scale_replicated: bool = False
-    replay: str = 'vllm'
+    replay: Replay = Replay.VLLM
     checkpoint_drop: bool = True
     sparse_zero: bool = True
-    junction: str = 'uncached'
+    junction: Junction = Junction.UNCACHED
     record_junction: bool = True
-REFERENCE = Rules('reference', declarative=True, replay='resume')
+
+    def __post_init__(self):
+        object.__setattr__(self, 'replay', Replay(self.replay))
+        object.__setattr__(self, 'junction', Junction(self.junction))
+REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME)
 VLLM_0_33 = Rules('vllm_0_33')
-HISTORICAL = Rules('historical', eagle_margin=False, replay='prompt_end', checkpoint_drop=False)
+HISTORICAL = Rules('historical', eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
 HISTORICAL_REPEAT_DROP = Rules('historical_repeat_drop', eagle_margin=False, drop_once=False)
 NO_LAST_TOKEN_CAP = replace(REFERENCE, name='no_last_token_cap', last_token_recomputed=False)
 EAGLE_NEVER_RECOMPUTES = replace(REFERENCE, name='eagle_never_recomputes', eagle_recompute=False)
 PEEK_WITHOUT_POP = replace(VLLM_0_33, name='peek_without_pop', pop_after_peek=False)
 PEEK_PAST_HASHES = replace(VLLM_0_33, name='peek_past_hashes', peek_within_hashes=False)
 DCP_SCALES_REPLICATED = replace(REFERENCE, name='dcp_scales_replicated', scale_replicated=True)
-RETAIN_PROMPT_END = replace(REFERENCE, name='retain_prompt_end', replay='prompt_end')
+RETAIN_PROMPT_END = replace(REFERENCE, name='retain_prompt_end', replay=Replay.PROMPT_END)
 RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name='retain_every_boundary', sparse_zero=False)
-JUNCTION_PAST_HIT = replace(HISTORICAL, name='junction_past_hit', junction='next_block')
+JUNCTION_PAST_HIT = replace(HISTORICAL, name='junction_past_hit', junction=Junction.NEXT_BLOCK)
 WITHOUT_JUNCTION = replace(REFERENCE, name='without_junction', record_junction=False)
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
@@ -635,13 +669,13 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     b = sg.block
     a = sizes.alignment
     limit = min(max_length // b, hashes * sizes.hash_block // b)
-    run = cache.run_from(k, 0, b, limit)
+    run = cache.run_from(k, start=0, unit=b, limit=limit)
     hit = run * b
     reach = limit * b
     if sg.fine:
         per_block = b // a
         top = min(min(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
-        partial = cache.last_held(k, a, hit, top * a, a, 1, 0)
+        partial = cache.last_held(k, step=a, lo=hit, hi=top * a, unit=a, before=1, after=0)
         hit = partial if partial > 0 else hit
         reach = max(reach, top * a)
     hit = hit - min(a, b) if drop and hit > 0 else hit
@@ -662,13 +696,13 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     need = -(-(sg.window - 1) // b)
     top = max_length // b * b
-    found_keep = cache.last_held(k, a, need * b - 1, top, b, need, 0)
-    run = cache.run_from(k, 0, b, max_length // b) * b
+    found_keep = cache.last_held(k, step=a, lo=need * b - 1, hi=top, unit=b, before=need, after=0)
+    run = cache.run_from(k, start=0, unit=b, limit=max_length // b) * b
     short_keep = run // a * a
     keep = found_keep if found_keep > 0 else short_keep
     if drop is False:
         return (keep, top)
-    found_drop = cache.last_held(k, a, need * b - 1, top - b, b, need, 1)
+    found_drop = cache.last_held(k, step=a, lo=need * b - 1, hi=top - b, unit=b, before=need, after=1)
     gated = ((run - b) // a * a + b if run >= b else 0) // a * a
     short_drop = (gated - b) // a * a if gated > 0 else 0
     dropped = found_drop if found_drop > 0 else short_drop
@@ -682,9 +716,9 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     if sg.fine:
         top = min(max_length // a, hashes * sizes.hash_block // a) * a
-        return (cache.last_held(k, a, 0, top, a, 1, 0), top)
+        return (cache.last_held(k, step=a, lo=0, hi=top, unit=a, before=1, after=0), top)
     top = max_length // sg.block * sg.block
-    return (cache.last_held(k, a, 0, top, sg.block, 1, 0), top)
+    return (cache.last_held(k, step=a, lo=0, hi=top, unit=sg.block, before=1, after=0), top)
 
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
@@ -694,7 +728,7 @@ def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     b = sg.block
     start = (max_length // sg.chunk * sg.chunk if max_length > 0 else 0) // b
     end = max_length // b
-    run = cache.run_from(k, start, b, end)
+    run = cache.run_from(k, start=start, unit=b, limit=end)
     reach = min(start + run + 1, end) * b if start < end else 0
     return ((start + run) * b, reach)
 
@@ -789,21 +823,22 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
             break
     return (hit_length, reach, longest, done)
 
-def full_attention_extent(cache, sizes: Sizes, k, reach):
-    """The longest prefix spec group ``k`` (full attention) can serve, within the hashes: its leading run
-    of cached blocks, or, when it is looked up at hash granularity, the highest cached boundary inside the
-    next block. Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
+def full_attention_extent(cache, sizes: Sizes, k, covered):
+    """The longest prefix spec group ``k`` (full attention) can serve, within the ``covered`` tokens the
+    hashes cover: its leading run of cached blocks, or, when it is looked up at hash granularity, the
+    highest cached boundary inside the next block (as vLLM ``FullAttentionManager.find_longest_cache_hit``
+    finds them). Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
     extent is downward-closed."""
     sg = sizes.groups[k]
     b = sg.block
-    run = cache.run_from(k, 0, b, reach // b) * b
+    run = cache.run_from(k, start=0, unit=b, limit=covered // b) * b
     if not sg.fine:
         return run
     a = sizes.alignment
-    partial = cache.last_held(k, a, run, min(run + b - a, reach), a, 1, 0)
+    partial = cache.last_held(k, step=a, lo=run, hi=min(run + b - a, covered), unit=a, before=1, after=0)
     return max(run, partial)
 
-def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
+def group_serves(cache, sizes: Sizes, k, x, extent, covered, rules: Rules):
     """Whether spec group ``k`` can serve a hit of ``x`` tokens (``x`` a multiple of ``A``).
 
     * full attention: its cached prefix reaches ``x`` (``extent``, see :func:`full_attention_extent`);
@@ -811,8 +846,9 @@ def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
     * Mamba: the state at boundary ``x`` is cached;
     * chunked local: the blocks from ``x``'s chunk start to ``x`` are cached.
 
-    A dropping EAGLE group must also hold its drop unit ``[x, x + margin)``, within the hashes: that unit
-    is what it recomputes. Mamba never drops (its checkpoints handle EAGLE on the write side).
+    A dropping EAGLE group must also hold its drop unit ``[x, x + margin)``, within the ``covered``
+    tokens the hashes cover: that unit is what it recomputes. Mamba never drops (its checkpoints handle
+    EAGLE on the write side).
     """
     sg = sizes.groups[k]
     a = sizes.alignment
@@ -824,43 +860,43 @@ def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
         return x + unit <= extent
     if sg.kind is Kind.SWA:
         after = 1 if unit > 0 else 0
-        return x + unit <= reach and cache.window(k, x, b, -(-(sg.window - 1) // b), after)
+        return x + unit <= covered and cache.window(k, x, unit=b, before=-(-(sg.window - 1) // b), after=after)
     if sg.kind is Kind.MAMBA:
         if sg.fine:
-            return cache.window(k, x, a, 1, 0)
-        return cache.window(k, x, b, 1, 0)
-    return cache.window(k, x, b, x % sg.chunk // b, 0)
+            return cache.window(k, x, unit=a, before=1, after=0)
+        return cache.window(k, x, unit=b, before=1, after=0)
+    return cache.window(k, x, unit=b, before=x % sg.chunk // b, after=0)
 
-def serves_all(cache, sizes: Sizes, x, extents, reach, rules: Rules):
+def serves_all(cache, sizes: Sizes, x, extents, covered, rules: Rules):
     """Whether every spec group can serve a hit of ``x`` tokens (see :func:`group_serves`)."""
     ok = True
     for k in range(len(sizes.groups)):
-        ok = ok and group_serves(cache, sizes, k, x, extents[k], reach, rules)
+        ok = ok and group_serves(cache, sizes, k, x, extents[k], covered, rules)
     return ok
 
-def group_extents(cache, sizes: Sizes, reach):
+def group_extents(cache, sizes: Sizes, covered):
     """Each full-attention group's cached prefix (0 for other kinds, which do not use it)."""
     extents = []
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
-            extents.append(full_attention_extent(cache, sizes, k, reach))
+            extents.append(full_attention_extent(cache, sizes, k, covered))
         else:
             extents.append(0)
     return tuple(extents)
 
-def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
     Full-attention groups are downward-closed, so their extents bound the scan from above before any
     candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
     """
     if sizes.groups[0].kind is Kind.CHUNKED:
-        return chunked_local_lookup(cache, sizes, 0, reach // sizes.hash_block, bound, False)[0]
+        return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound, drop=False)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
             top = min(top, extents[k])
-    return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
+    return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, covered, rules))
 
 def prefix_groups(sizes: Sizes) -> tuple:
     """The spec groups whose cache says how far a prompt is shared with what was cached before it: the
@@ -869,7 +905,7 @@ def prefix_groups(sizes: Sizes) -> tuple:
     full = tuple((k for k, sg in enumerate(sizes.groups) if sg.kind is Kind.FULL))
     return full or (0,)
 
-def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """How far the request shares a servable prefix with the cache: the longest multiple of ``A`` at most
     ``bound`` that every group of :func:`prefix_groups` serves (0 if none), whatever the other groups
     hold.
@@ -890,7 +926,7 @@ def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, reach, rules: Rule
     def serves(x):
         ok = True
         for k in members:
-            ok = ok and group_serves(cache, sizes, k, x, extents[k], reach, rules)
+            ok = ok and group_serves(cache, sizes, k, x, extents[k], covered, rules)
         return ok
     return max_aligned(sizes.alignment, top, serves)
 
@@ -899,14 +935,16 @@ def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
     unit past it (see :func:`group_serves` and :func:`reference_pass`). ``longest`` is the shared prefix
     (:func:`shared_prefix_tokens`) where the layout has groups that lag it; one group lags nothing (vLLM's
-    Unitary coordinator reports no uncached prefix either)."""
-    reach = num_hashes(sizes, n_tokens) * sizes.hash_block
-    cap = min(max_cache_hit_length(n_tokens, rules), reach)
-    extents = group_extents(cache, sizes, reach)
-    hit = reference_pass(cache, sizes, cap, extents, reach, rules)
+    Unitary coordinator reports no uncached prefix either). Its ``reach`` is ``covered``: every query it
+    makes is bounded by the hashes (its runs by ``covered // b``, its windows by ``x + unit <= covered``),
+    but the reach is not measured."""
+    covered = hash_reach(sizes, n_tokens)
+    cap = min(max_cache_hit_length(n_tokens, rules), covered)
+    extents = group_extents(cache, sizes, covered)
+    hit = reference_pass(cache, sizes, cap, extents, covered, rules)
     if sizes.unitary or not rules.record_junction:
-        return (hit, reach, hit, True)
-    return (hit, reach, max(hit, shared_prefix_tokens(cache, sizes, cap, extents, reach, rules)), True)
+        return (hit, covered, hit, True)
+    return (hit, covered, max(hit, shared_prefix_tokens(cache, sizes, cap, extents, covered, rules)), True)
 
 def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """The hit of a request of ``n_tokens`` prompt tokens under ``rules``:
@@ -923,22 +961,22 @@ def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 # The write side: what a request leaves in the cache, and where a later request can resume.
 #
 # A request with prompt ``N`` is admitted with a hit of ``start`` tokens and a shared-prefix junction ``J``
-# (vLLM ``shared_prefix_boundary``; -1 for none), prefilled in the chunks the scheduler cuts, samples one
-# token and ends. The write side says, per spec group, which of the prompt's block boundaries stay
-# findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then consumes
-# (:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that shares
-# the ``N`` tokens: a block hash past them covers tokens past the prompt.
+# (vLLM ``shared_prefix_boundary``; :data:`NO_JUNCTION` for none), prefilled in the chunks the scheduler
+# cuts, samples one token and ends. The write side says, per spec group, which of the prompt's block
+# boundaries stay findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then
+# consumes (:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that
+# shares the ``N`` tokens: a block hash past them covers tokens past the prompt.
 #
 # Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
 #
-# * ``replay``: where the masks keep state. vLLM 0.33 (``"vllm"``): ``replay_boundaries`` (``N - 1``, or
-#   with an EAGLE drop one scheduler block below the last and the resend's aligned boundaries); historical
-#   (``"prompt_end"``): ``N - 1`` always; reference (``"resume"``): the points the read side itself resumes
-#   at, computed by the read side on the cache the request would leave if every state were retained. One
-#   definition, two views: what is retained is what is resumed at.
+# * ``replay``: where the masks keep state. vLLM 0.33 (``Replay.VLLM``): ``replay_boundaries`` (``N - 1``,
+#   or with an EAGLE drop one scheduler block below the last and the resend's aligned boundaries);
+#   historical (``Replay.PROMPT_END``): ``N - 1`` always; reference (``Replay.RESUME``): the points the read
+#   side itself resumes at, computed by the read side on the cache the request would leave if every state
+#   were retained. One definition, two views: what is retained is what is resumed at.
 # * ``checkpoint_drop``: the Mamba prompt checkpoint the scheduler stops at accounts for the EAGLE drop
 #   (vLLM 0.33) or not (historical).
-# * ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``).
+# * ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``, ``Junction.UNCACHED``).
 #
 # Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
 # chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, a request that
@@ -947,6 +985,11 @@ def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 # --------------------------------------------------------------------------------------------------
 
 NO_JUNCTION = -1
+NO_PARTIAL_TAIL = -1
+NO_STATE = -1
+NO_TAIL = -1
+NO_STOP = -1
+NO_GAP = (-1, -1)
 
 def check_retention(sizes: Sizes, interval):
     """vLLM ``_validate_prefix_cache_retention_interval``: ``None`` (dense), 0 (replay boundaries only)
@@ -1000,11 +1043,11 @@ def group_extent(sizes: Sizes, k, n_tokens, decoded: bool=False):
     block when it is read at hash granularity: the prompt checkpoint's partial tail). ``decoded``: after
     enough decode steps that every prompt token is finalized and aligned (the caching calls of later steps
     reach ``N - L``)."""
-    reach = n_tokens - sizes.hash_lookahead
+    top = n_tokens - sizes.hash_lookahead
     if not decoded:
-        reach = min(cacheable_tokens(sizes, k, n_tokens), reach)
+        top = min(cacheable_tokens(sizes, k, n_tokens), top)
     unit = read_unit(sizes, k) if sizes.groups[k].kind is Kind.MAMBA else sizes.groups[k].block
-    return max(reach, 0) // unit * unit
+    return max(top, 0) // unit * unit
 
 def read_unit(sizes: Sizes, k) -> int:
     """The unit spec group ``k``'s single boundaries are read at."""
@@ -1017,7 +1060,8 @@ def partial_tails(sizes: Sizes, k, n_tokens):
     """vLLM ``FullAttentionManager._cache_partial_tail_block``: the boundary inside a block that a
     full-attention group whose block exceeds the hash unit registers at each caching call, from the
     hashes the request has then: at schedule time (``N`` tokens) and, with a drafter, again after the
-    sampled token. A later call that caches the block whole drops the earlier entry. -1 for none."""
+    sampled token. A later call that caches the block whole drops the earlier entry. :data:`NO_PARTIAL_TAIL`
+    for none."""
     sg = sizes.groups[k]
     h = sizes.hash_block
     if sg.block == h:
@@ -1030,11 +1074,11 @@ def partial_tails(sizes: Sizes, k, n_tokens):
     for tokens in calls:
         covered = hash_reach(sizes, tokens)
         full = min(cacheable, covered) // sg.block * sg.block
-        points = [NO_JUNCTION if full_before <= p // sg.block * sg.block and p // sg.block * sg.block < full else p for p in points]
+        points = [NO_PARTIAL_TAIL if full_before <= p // sg.block * sg.block and p // sg.block * sg.block < full else p for p in points]
         x = min(limit, covered)
         ok = x > 0 and x <= cacheable and (not eq_zero_mod(x, sg.block))
-        points = [NO_JUNCTION if ok and p // sg.block * sg.block == x // sg.block * sg.block else p for p in points]
-        points.append(x if ok and x <= n_tokens - sizes.hash_lookahead else NO_JUNCTION)
+        points = [NO_PARTIAL_TAIL if ok and p // sg.block * sg.block == x // sg.block * sg.block else p for p in points]
+        points.append(x if ok and x <= n_tokens - sizes.hash_lookahead else NO_PARTIAL_TAIL)
         full_before = full
     return tuple(points)
 
@@ -1045,16 +1089,16 @@ def decoded_tail(sizes: Sizes, k, n_tokens):
     (vLLM ``_cache_partial_tail_block``, replacing the prefill's entry on that block; the blocks before it
     are then cached whole). A later prompt sharing the ``N`` tokens can use it only up to ``N - L``; once the
     call completes the block, only the whole block's entry is left, past ``N - L``. Longer decoding can move
-    the entry on or complete the block; a state kept for this entry then goes unused. -1 for none (also when
-    the group's block is the hash unit)."""
+    the entry on or complete the block; a state kept for this entry then goes unused.
+    :data:`NO_PARTIAL_TAIL` for none (also when the group's block is the hash unit)."""
     sg = sizes.groups[k]
     h = sizes.hash_block
     if sg.block == h:
-        return NO_JUNCTION
+        return NO_PARTIAL_TAIL
     tokens = n_tokens + 1 + reprefillable(sizes)
     x = min(cacheable_tokens(sizes, k, tokens), hash_reach(sizes, tokens)) // h * h
     inside = x > 0 and (not eq_zero_mod(x, sg.block)) and (x <= n_tokens - sizes.hash_lookahead)
-    return x if inside else NO_JUNCTION
+    return x if inside else NO_PARTIAL_TAIL
 
 def dense_groups(sizes: Sizes, n_tokens, decoded: bool=False):
     """What the request would leave if every state were retained: each group holds every boundary up to
@@ -1065,7 +1109,7 @@ def dense_groups(sizes: Sizes, n_tokens, decoded: bool=False):
         points = ()
         if sg.kind is Kind.FULL:
             points = (decoded_tail(sizes, k, n_tokens),) if decoded else partial_tails(sizes, k, n_tokens)
-        out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens, decoded), True, points))
+        out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k), extent=group_extent(sizes, k, n_tokens, decoded), every=True, points=points))
     return tuple(out)
 
 def far_sibling(sizes: Sizes, n_tokens):
@@ -1105,15 +1149,15 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     tokens of it hits 64 under vLLM; vLLM's own ``test_hybrid_mamba_retention_mtp_resend_of_aligned_prompt``;
     DeepSeek-V4, a prompt sharing 20220 of a 45591-token prompt: 16384).
     """
-    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == 'resume' else ()
-    if rules.replay == 'prompt_end' or not sizes.drop:
+    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == Replay.RESUME else ()
+    if rules.replay == Replay.PROMPT_END or not sizes.drop:
         return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
     return ours + (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
 
 def junction_boundaries(sizes: Sizes, k, junction):
     """The junction, and for a dropping group one block below it (a sibling that diverges right after
-    the junction cannot peek past it). -1 stands for none."""
+    the junction cannot peek past it). :data:`NO_JUNCTION` for none."""
     sg = sizes.groups[k]
     here = junction if junction > 0 else NO_JUNCTION
     if not sg.drops:
@@ -1138,37 +1182,40 @@ def sliding_window_gaps(sizes: Sizes, k, n_tokens, start, junction, rules: Rules
     ``s - W + 1``, ``SlidingWindowManager.get_num_skipped_tokens``) before caching that chunk; the chunk
     ending at ``s`` cached only its cacheable prefix (``get_num_cacheable_tokens``: aligned, one peek block
     past it when dropping, nothing when the aligned prefix is 0). A block between the two is never cached.
-    One ``(lo, hi)`` per scheduler stop strictly between ``start`` and ``N``; empty ones are ``lo >= hi``.
+    One ``(lo, hi)`` per scheduler stop (:func:`chunk_stops`); :data:`NO_GAP` at a stop not strictly
+    between ``start`` and ``N``.
     """
     if not gaps_possible(sizes, k):
         return ()
     sg = sizes.groups[k]
     b = sg.block
     out = []
-    for s in chunk_stops(sizes, n_tokens, start, junction, rules):
+    for s in chunk_stops(sizes, n_tokens, start, junction, rules).all():
         inside = start < s and s < n_tokens
         cached = min(cacheable_tokens(sizes, k, s), hash_reach(sizes, n_tokens)) // b * b
         freed = max(s - sg.window + 1, 0) // b * b
-        out.append((cached if inside else NO_JUNCTION, freed if inside else NO_JUNCTION))
+        out.append((cached, freed) if inside else NO_GAP)
     return tuple(out)
 
 def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: Rules, gaps=()):
     """vLLM ``SlidingWindowManager.reachable_block_mask``: the ``need``-block tails a hit needs, ending
     ``shift`` blocks past each aligned boundary; every ``interval`` tokens (every ``A`` when dense); every
     block when a tail would cover a whole segment or the alignment is finer than the block. Blocks in
-    ``gaps`` (:func:`sliding_window_gaps`) are not held; a tail reaching into one is not kept at all."""
+    ``gaps`` (:func:`sliding_window_gaps`) are not held; a tail reaching into one is not kept at all
+    (:data:`NO_TAIL`)."""
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
     extent = group_extent(sizes, k, n_tokens)
     shift = 1 if sg.drops else 0
     need = -(-(sg.window - 1) // b) + shift
+    all_blocks = Held(kind=Kind.SWA, block=b, unit=b, extent=extent, every=True, need=need, shift=shift, gaps=gaps)
     if a % b != 0:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
+        return all_blocks
     dense = interval is None or (interval == 0 and (not rules.sparse_zero))
     segment = a if dense else interval
     if segment > 0 and need >= segment // b:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
+        return all_blocks
     ends = ()
     if not dense:
         ends = []
@@ -1177,39 +1224,58 @@ def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: 
             lost = False
             for lo, hi in gaps:
                 lost = lost or (lo < hi and lo < t and (t - need * b < hi))
-            ends.append(NO_JUNCTION if lost else t)
+            ends.append(NO_TAIL if lost else t)
         ends = tuple(ends)
-    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment, gaps)
+    return Held(kind=Kind.SWA, block=b, unit=b, extent=extent, every=False, ends=ends, need=need, shift=shift, period=segment, gaps=gaps)
 
-def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules):
+@dataclass(frozen=True)
+class ChunkStops:
+    """The scheduler's mandatory chunk ends of a prefill from ``start`` (vLLM
+    ``_mamba_block_aligned_split``'s ``stops``), unfiltered: a stop counts only strictly between ``start``
+    and ``N``; an absent one is :data:`NO_STOP`.
+
+    Attributes:
+        mandatory: the positions a chunk must end at, in this order: the prompt checkpoint at the config
+            block (vLLM ``last_cache_position``), with partial hits the partial-hit tail past it (vLLM
+            ``tail_boundary``), and the junction floored to the config block past ``start`` (vLLM
+            ``junction_stop``). The next chunk starts at each.
+        block_ends: the end of the config block that ``start`` and each of those but the checkpoint (a
+            multiple of the config block already) lies in (vLLM ``next_block_boundary``: a chunk that
+            starts inside a config block stops at its end).
+    """
+    mandatory: tuple = ()
+    block_ends: tuple = ()
+
+    def all(self) -> tuple:
+        """Every stop: the mandatory ones, then the block ends."""
+        return self.mandatory + self.block_ends
+
+def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules) -> ChunkStops:
     """The scheduler's mandatory chunk ends when a Mamba group is present (vLLM
-    ``_mamba_block_aligned_split``, ``block_size`` = the config block): the prompt checkpoint, the
-    partial-hit tail (with partial hits), the junction floored to the config block past ``start``, and the
-    end of the config block ``start`` and each of those lies in (a chunk that starts inside a config block
-    stops at its end). Unfiltered: a stop counts only strictly between ``start`` and ``N``."""
+    ``_mamba_block_aligned_split``, ``block_size`` = the config block; none without a Mamba group): see
+    :class:`ChunkStops`."""
     if not any((sg.kind is Kind.MAMBA for sg in sizes.groups)):
-        return ()
+        return ChunkStops()
     big = sizes.config_block
     drop = sizes.drop and rules.checkpoint_drop
     lookahead = sizes.hash_lookahead
-    first = checkpoint_position(n_tokens, big, drop, lookahead)
-    stops = [first]
+    last_cache_position = checkpoint_position(n_tokens, big, drop, lookahead)
+    later = []
     if sizes.partial_hits:
         tail = checkpoint_position(n_tokens, sizes.hash_block, drop, lookahead)
-        stops.append(tail if first < tail and tail < n_tokens else NO_JUNCTION)
-    stops.append(start + (junction - start) // big * big if start < junction and junction < n_tokens else NO_JUNCTION)
-    return tuple(stops + [ceil_to(e, big) for e in [start] + stops[1:]])
+        later.append(tail if last_cache_position < tail and tail < n_tokens else NO_STOP)
+    later.append(start + (junction - start) // big * big if start < junction and junction < n_tokens else NO_STOP)
+    return ChunkStops(mandatory=(last_cache_position,) + tuple(later), block_ends=tuple((ceil_to(e, big) for e in [start] + later)))
 
 def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
     """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
     ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
     checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
     block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
-    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
-    stops = list(chunk_stops(sizes, n_tokens, start, junction, rules))
-    stops += [ceil_to(e, block) for e in [start] + stops[:len(stops) // 2]]
-    ends = tuple((e if start < e and e < n_tokens else NO_JUNCTION for e in stops))
-    return ends + (n_tokens,)
+    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are :data:`NO_STATE`."""
+    stops = chunk_stops(sizes, n_tokens, start, junction, rules)
+    ends = stops.all() + tuple((ceil_to(e, block) for e in (start,) + stops.mandatory))
+    return tuple((e if start < e and e < n_tokens else NO_STATE for e in ends)) + (n_tokens,)
 
 def ceil_to(x, unit: int):
     """``x`` rounded up to a multiple of ``unit``."""
@@ -1228,11 +1294,11 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     unit = read_unit(sizes, k)
     extent = group_extent(sizes, k, n_tokens)
     aligned = tuple((x // sizes.alignment * sizes.alignment for x in boundaries))
-    if rules.replay == 'resume':
-        points = tuple((x if x > 0 and x > start and (x <= extent) else NO_JUNCTION for x in aligned))
+    if rules.replay == Replay.RESUME:
+        points = tuple((x if x > 0 and x > start and (x <= extent) else NO_STATE for x in aligned))
         every = interval is None or (interval == 0 and (not rules.sparse_zero))
         period = interval if interval is not None and interval > 0 else 0
-        return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
+        return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points, period=period)
     every_block = interval is not None and interval > 0 and (interval // b <= 1)
     period = interval if interval is not None and interval > 0 and (not every_block) else 0
     dense = interval is None or every_block or (interval == 0 and (not rules.sparse_zero))
@@ -1245,18 +1311,18 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
         for x in aligned:
             kept = kept or e == x // b * b
         ok = e > 0 and e <= extent and eq_zero_mod(e, b) and kept
-        points.append(e if ok else NO_JUNCTION)
+        points.append(e if ok else NO_STATE)
     drop = sizes.drop and rules.checkpoint_drop
     tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
     is_end = False
     for e in ends:
         is_end = is_end or e == tail
     called = cacheable_tokens(sizes, k, n_tokens) == tail
-    for c in chunk_stops(sizes, n_tokens, start, junction, rules):
+    for c in chunk_stops(sizes, n_tokens, start, junction, rules).all():
         called = called or (start < c and c < n_tokens and (cacheable_tokens(sizes, k, c) == tail))
     ok = tail > 0 and tail <= n_tokens - sizes.hash_lookahead and is_end and called
-    points.append(tail if ok else NO_JUNCTION)
-    return Held(Kind.MAMBA, b, unit, extent, False, tuple(points))
+    points.append(tail if ok else NO_STATE)
+    return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=False, points=tuple(points))
 
 def eq_zero_mod(x, unit: int):
     """Whether ``x`` is a multiple of ``unit``."""
@@ -1279,7 +1345,7 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             gaps = sliding_window_gaps(sizes, k, n_tokens, start, junction, rules)
             held = sliding_window_held(sizes, k, n_tokens, interval, at, rules, gaps)
             if gaps and (not (isinstance(start, int) and start == 0)):
-                held = Held(held.kind, held.block, held.unit, held.extent, held.every, held.points, held.ends, held.need, held.shift, held.period, gaps + ((0, max(start, 0) // sg.block * sg.block),))
+                held = replace(held, gaps=gaps + ((0, max(start, 0) // sg.block * sg.block),))
             out.append(held)
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules))
@@ -1287,7 +1353,7 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             points = ()
             if sg.kind is Kind.FULL:
                 points = partial_tails(sizes, k, n_tokens)
-            out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True, points))
+            out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k), extent=group_extent(sizes, k, n_tokens), every=True, points=points))
     return tuple(out)
 
 def merge(old, new):
@@ -1299,13 +1365,13 @@ def merge(old, new):
     out = []
     for g, h in zip(old, new):
         gaps = tuple(((max(a[0], c[0]), min(a[1], c[1])) for a in live_gaps(g.gaps) for c in live_gaps(h.gaps)))
-        out.append(Held(g.kind, g.block, g.unit, g.extent, g.every, g.points + h.points, g.ends + h.ends, g.need, g.shift, g.period, gaps))
+        out.append(replace(g, points=g.points + h.points, ends=g.ends + h.ends, gaps=gaps))
     return tuple(out)
 
 def junction_of(sizes: Sizes, hit, longest, rules: Rules):
     """Where a request records its junction: vLLM ``hit + num_uncached`` when something was uncached
     (``longest`` is the longest candidate the lookup saw), else none."""
-    if rules.junction == 'next_block':
+    if rules.junction == Junction.NEXT_BLOCK:
         return hit + sizes.scheduler_block
     return longest if longest > hit else NO_JUNCTION
 
@@ -1314,8 +1380,9 @@ def clip(sizes: Sizes, g: Held, shared):
     the boundaries up to ``shared - L`` (the hash of the block ending at ``x`` covers the ``L`` lookahead
     tokens past it; a hash past them covers tokens the two prompts do not share)."""
     top = shared - sizes.hash_lookahead
-    points = tuple((p if p <= top else NO_JUNCTION for p in g.points))
-    return Held(g.kind, g.block, g.unit, min(g.extent, top), g.every, points, g.ends, g.need, g.shift, g.period, g.gaps)
+    absent = NO_STATE if g.kind is Kind.MAMBA else NO_PARTIAL_TAIL
+    points = tuple((p if p <= top else absent for p in g.points))
+    return replace(g, extent=min(g.extent, top), points=points)
 
 def serve(sizes: Sizes, n_tokens, interval, rules: Rules, cache):
     """A request with prompt ``N`` served on ``cache`` (what earlier prompts left, as it can read it):

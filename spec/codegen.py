@@ -84,8 +84,9 @@ def generate() -> dict[str, str]:
     init = (
         '"""kvhit\'s generated reference implementation (see policy.py). DO NOT EDIT: `make gen`."""\n\n'
         "from .policy import *  # noqa: F401,F403\n"
-        "from .policy import (ALL_POLICIES, CacheState, Group, Kind, Layout, Mode, Rules, Sizes, SpecGroup,\n"
-        "                     Speculation, as_cache, derive_sizes, hit, hit_tokens, policy_rules, sizes_for)\n"
+        "from .policy import (ALL_POLICIES, CacheState, Group, Junction, Kind, Layout, Mode, Replay, Rules, Sizes,\n"
+        "                     SpecGroup, Speculation, as_cache, derive_sizes, hit, hit_tokens, policy_rules,\n"
+        "                     sizes_for)\n"
     )
     return {"policy.py": header + body, "__init__.py": init}
 

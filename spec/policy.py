@@ -4,18 +4,52 @@ One model, several policies. The rules in which policies differ are the fields o
 policy is a named combination of them (:data:`POLICIES`). Notation used in the docstrings:
 
 * ``N`` prompt tokens; ``M`` the most a lookup may return; ``A`` the alignment; ``h`` the hash unit;
-  ``|H|`` the request's block hashes, so no lookup may read a boundary past ``|H| * h``.
-* a lookup returns ``(hit, reach)``: the hit in tokens and the highest boundary it reads.
+  ``|H|`` the request's block hashes, which cover ``covered = |H| * h`` tokens
+  (:func:`kvhit.spec.sizes.hash_reach`): no lookup may read a boundary past it.
+* a lookup returns ``(hit, reach)``: the hit in tokens and ``reach``, the highest boundary it reads.
 * a coordinator returns ``(hit, reach, longest, converged)``; ``longest`` is vLLM's largest intermediate
   candidate (``num_uncached_common_prefix_tokens = longest - hit``), ``converged`` whether the fixed-point
   loop stopped within the passes a lowering unrolled (always True in Python).
 """
 
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from .domain import Kind
-from .sizes import Sizes, num_hashes
+from .sizes import Sizes, hash_reach, num_hashes
 from .terms import and_, cdiv, floor_to, ite, max_, max_aligned, min_, not_, or_, passes, stop
+
+
+class Replay(str, Enum):
+    """Where a policy's write side keeps state for a later request
+    (:func:`kvhit.spec.retention.replay_boundaries`).
+
+    * ``vllm``: vLLM 0.33's ``replay_boundaries`` (``N - 1``, or with an EAGLE drop one scheduler block
+      below the resend's and a longer sibling's aligned boundaries).
+    * ``prompt_end``: ``N - 1`` only (vLLM before its EAGLE-aware boundaries).
+    * ``resume``: the points kvhit's own read side resumes at, then vLLM's boundaries.
+
+    Compared with ``==``: the proofs replay the generated refimpl with the spec's rules, and the two
+    modules' members are equal by value, not identical.
+    """
+
+    VLLM = "vllm"
+    PROMPT_END = "prompt_end"
+    RESUME = "resume"
+
+
+class Junction(str, Enum):
+    """Where a request records its shared-prefix junction (:func:`kvhit.spec.retention.junction_of`).
+
+    * ``uncached``: vLLM ``hit + num_uncached_common_prefix_tokens`` (the longest candidate its lookup
+      saw), when that passes the hit.
+    * ``next_block``: one scheduler block past the hit.
+
+    Compared with ``==``, as :class:`Replay`.
+    """
+
+    UNCACHED = "uncached"
+    NEXT_BLOCK = "next_block"
 
 
 @dataclass(frozen=True)
@@ -36,15 +70,16 @@ class Rules:
         drop_once: an EAGLE group drops once per lookup (vLLM's ``eagle_verified`` set); without it, it
             drops again on every pass of the loop (vLLM #32802).
         scale_replicated: DCP scales every group's block, sharded or not.
-        replay: where the write side keeps state for a later request (:mod:`kvhit.spec.retention`):
-            ``"vllm"`` (vLLM 0.33's ``replay_boundaries``), ``"prompt_end"`` (``N - 1`` only, before the
-            EAGLE-aware boundaries), ``"resume"`` (the read side's own resume points).
+        replay: where the write side keeps state for a later request (:class:`Replay`).
         checkpoint_drop: the scheduler's Mamba prompt checkpoint accounts for the EAGLE drop.
         sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
-        junction: where a request records its shared-prefix junction: ``"uncached"`` (vLLM ``hit +
-            num_uncached``) or ``"next_block"`` (one scheduler block past the hit).
+        junction: where a request records its shared-prefix junction (:class:`Junction`).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
+
+    Raises:
+        ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
+            must not fall through to vLLM's behaviour).
     """
 
     name: str
@@ -56,16 +91,20 @@ class Rules:
     pop_after_peek: bool = True
     drop_once: bool = True
     scale_replicated: bool = False
-    replay: str = "vllm"
+    replay: Replay = Replay.VLLM
     checkpoint_drop: bool = True
     sparse_zero: bool = True
-    junction: str = "uncached"
+    junction: Junction = Junction.UNCACHED
     record_junction: bool = True
 
+    def __post_init__(self):
+        object.__setattr__(self, "replay", Replay(self.replay))
+        object.__setattr__(self, "junction", Junction(self.junction))
 
-REFERENCE = Rules("reference", declarative=True, replay="resume")
+
+REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME)
 VLLM_0_33 = Rules("vllm_0_33")
-HISTORICAL = Rules("historical", eagle_margin=False, replay="prompt_end", checkpoint_drop=False)
+HISTORICAL = Rules("historical", eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
 
 # Known-bad variants: each breaks one rule, to show that the invariant guarding that rule can fail.
 HISTORICAL_REPEAT_DROP = Rules("historical_repeat_drop", eagle_margin=False, drop_once=False)
@@ -74,9 +113,9 @@ EAGLE_NEVER_RECOMPUTES = replace(REFERENCE, name="eagle_never_recomputes", eagle
 PEEK_WITHOUT_POP = replace(VLLM_0_33, name="peek_without_pop", pop_after_peek=False)
 PEEK_PAST_HASHES = replace(VLLM_0_33, name="peek_past_hashes", peek_within_hashes=False)
 DCP_SCALES_REPLICATED = replace(REFERENCE, name="dcp_scales_replicated", scale_replicated=True)
-RETAIN_PROMPT_END = replace(REFERENCE, name="retain_prompt_end", replay="prompt_end")
+RETAIN_PROMPT_END = replace(REFERENCE, name="retain_prompt_end", replay=Replay.PROMPT_END)
 RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name="retain_every_boundary", sparse_zero=False)
-JUNCTION_PAST_HIT = replace(HISTORICAL, name="junction_past_hit", junction="next_block")
+JUNCTION_PAST_HIT = replace(HISTORICAL, name="junction_past_hit", junction=Junction.NEXT_BLOCK)
 # The reference as it was before it recorded a junction: diverging prompts after a shared prefix lose
 # what vLLM's junction gives them (vLLM 0.33.0's own tests showed it).
 WITHOUT_JUNCTION = replace(REFERENCE, name="without_junction", record_junction=False)
@@ -111,13 +150,13 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     b = sg.block
     a = sizes.alignment
     limit = min_(max_length // b, hashes * sizes.hash_block // b)
-    run = cache.run_from(k, 0, b, limit)
+    run = cache.run_from(k, start=0, unit=b, limit=limit)
     hit = run * b
     reach = limit * b
     if sg.fine:
         per_block = b // a
         top = min_(min_(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
-        partial = cache.last_held(k, a, hit, top * a, a, 1, 0)
+        partial = cache.last_held(k, step=a, lo=hit, hi=top * a, unit=a, before=1, after=0)
         hit = ite(partial > 0, partial, hit)
         reach = max_(reach, top * a)
     hit = ite(and_(drop, hit > 0), hit - min(a, b), hit)
@@ -139,13 +178,13 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     need = cdiv(sg.window - 1, b)
     top = max_length // b * b
-    found_keep = cache.last_held(k, a, need * b - 1, top, b, need, 0)
-    run = cache.run_from(k, 0, b, max_length // b) * b
+    found_keep = cache.last_held(k, step=a, lo=need * b - 1, hi=top, unit=b, before=need, after=0)
+    run = cache.run_from(k, start=0, unit=b, limit=max_length // b) * b
     short_keep = floor_to(run, a)
     keep = ite(found_keep > 0, found_keep, short_keep)
     if drop is False:  # a group that never drops is never read past its window
         return keep, top
-    found_drop = cache.last_held(k, a, need * b - 1, top - b, b, need, 1)
+    found_drop = cache.last_held(k, step=a, lo=need * b - 1, hi=top - b, unit=b, before=need, after=1)
     gated = floor_to(ite(run >= b, floor_to(run - b, a) + b, 0), a)
     short_drop = ite(gated > 0, floor_to(gated - b, a), 0)
     dropped = ite(found_drop > 0, found_drop, short_drop)
@@ -160,9 +199,9 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     a = sizes.alignment
     if sg.fine:
         top = min_(max_length // a, hashes * sizes.hash_block // a) * a
-        return cache.last_held(k, a, 0, top, a, 1, 0), top
+        return cache.last_held(k, step=a, lo=0, hi=top, unit=a, before=1, after=0), top
     top = max_length // sg.block * sg.block
-    return cache.last_held(k, a, 0, top, sg.block, 1, 0), top
+    return cache.last_held(k, step=a, lo=0, hi=top, unit=sg.block, before=1, after=0), top
 
 
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
@@ -173,7 +212,7 @@ def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     b = sg.block
     start = ite(max_length > 0, floor_to(max_length, sg.chunk), 0) // b
     end = max_length // b
-    run = cache.run_from(k, start, b, end)
+    run = cache.run_from(k, start=start, unit=b, limit=end)
     reach = ite(start < end, min_(start + run + 1, end) * b, 0)
     return (start + run) * b, reach
 
@@ -290,22 +329,23 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 # ----------------------------------------------------------------------------------------------------
 
 
-def full_attention_extent(cache, sizes: Sizes, k, reach):
-    """The longest prefix spec group ``k`` (full attention) can serve, within the hashes: its leading run
-    of cached blocks, or, when it is looked up at hash granularity, the highest cached boundary inside the
-    next block. Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
+def full_attention_extent(cache, sizes: Sizes, k, covered):
+    """The longest prefix spec group ``k`` (full attention) can serve, within the ``covered`` tokens the
+    hashes cover: its leading run of cached blocks, or, when it is looked up at hash granularity, the
+    highest cached boundary inside the next block (as vLLM ``FullAttentionManager.find_longest_cache_hit``
+    finds them). Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
     extent is downward-closed."""
     sg = sizes.groups[k]
     b = sg.block
-    run = cache.run_from(k, 0, b, reach // b) * b
+    run = cache.run_from(k, start=0, unit=b, limit=covered // b) * b
     if not sg.fine:
         return run
     a = sizes.alignment
-    partial = cache.last_held(k, a, run, min_(run + b - a, reach), a, 1, 0)
+    partial = cache.last_held(k, step=a, lo=run, hi=min_(run + b - a, covered), unit=a, before=1, after=0)
     return max_(run, partial)
 
 
-def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
+def group_serves(cache, sizes: Sizes, k, x, extent, covered, rules: Rules):
     """Whether spec group ``k`` can serve a hit of ``x`` tokens (``x`` a multiple of ``A``).
 
     * full attention: its cached prefix reaches ``x`` (``extent``, see :func:`full_attention_extent`);
@@ -313,8 +353,9 @@ def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
     * Mamba: the state at boundary ``x`` is cached;
     * chunked local: the blocks from ``x``'s chunk start to ``x`` are cached.
 
-    A dropping EAGLE group must also hold its drop unit ``[x, x + margin)``, within the hashes: that unit
-    is what it recomputes. Mamba never drops (its checkpoints handle EAGLE on the write side).
+    A dropping EAGLE group must also hold its drop unit ``[x, x + margin)``, within the ``covered``
+    tokens the hashes cover: that unit is what it recomputes. Mamba never drops (its checkpoints handle
+    EAGLE on the write side).
     """
     sg = sizes.groups[k]
     a = sizes.alignment
@@ -326,46 +367,48 @@ def group_serves(cache, sizes: Sizes, k, x, extent, reach, rules: Rules):
         return x + unit <= extent
     if sg.kind is Kind.SWA:
         after = 1 if unit > 0 else 0
-        return and_(x + unit <= reach, cache.window(k, x, b, cdiv(sg.window - 1, b), after))
+        return and_(x + unit <= covered,
+                    cache.window(k, x, unit=b, before=cdiv(sg.window - 1, b), after=after))
     if sg.kind is Kind.MAMBA:
         if sg.fine:
-            return cache.window(k, x, a, 1, 0)
-        return cache.window(k, x, b, 1, 0)
-    return cache.window(k, x, b, x % sg.chunk // b, 0)
+            return cache.window(k, x, unit=a, before=1, after=0)
+        return cache.window(k, x, unit=b, before=1, after=0)
+    return cache.window(k, x, unit=b, before=x % sg.chunk // b, after=0)
 
 
-def serves_all(cache, sizes: Sizes, x, extents, reach, rules: Rules):
+def serves_all(cache, sizes: Sizes, x, extents, covered, rules: Rules):
     """Whether every spec group can serve a hit of ``x`` tokens (see :func:`group_serves`)."""
     ok = True
     for k in range(len(sizes.groups)):
-        ok = and_(ok, group_serves(cache, sizes, k, x, extents[k], reach, rules))
+        ok = and_(ok, group_serves(cache, sizes, k, x, extents[k], covered, rules))
     return ok
 
 
-def group_extents(cache, sizes: Sizes, reach):
+def group_extents(cache, sizes: Sizes, covered):
     """Each full-attention group's cached prefix (0 for other kinds, which do not use it)."""
     extents = []
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
-            extents.append(full_attention_extent(cache, sizes, k, reach))
+            extents.append(full_attention_extent(cache, sizes, k, covered))
         else:
             extents.append(0)
     return tuple(extents)
 
 
-def reference_pass(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
     Full-attention groups are downward-closed, so their extents bound the scan from above before any
     candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
     """
     if sizes.groups[0].kind is Kind.CHUNKED:
-        return chunked_local_lookup(cache, sizes, 0, reach // sizes.hash_block, bound, False)[0]
+        return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound,
+                                    drop=False)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
             top = min_(top, extents[k])
-    return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, reach, rules))
+    return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, covered, rules))
 
 
 def prefix_groups(sizes: Sizes) -> tuple:
@@ -376,7 +419,7 @@ def prefix_groups(sizes: Sizes) -> tuple:
     return full or (0,)
 
 
-def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, reach, rules: Rules):
+def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """How far the request shares a servable prefix with the cache: the longest multiple of ``A`` at most
     ``bound`` that every group of :func:`prefix_groups` serves (0 if none), whatever the other groups
     hold.
@@ -397,7 +440,7 @@ def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, reach, rules: Rule
     def serves(x):
         ok = True
         for k in members:
-            ok = and_(ok, group_serves(cache, sizes, k, x, extents[k], reach, rules))
+            ok = and_(ok, group_serves(cache, sizes, k, x, extents[k], covered, rules))
         return ok
 
     return max_aligned(sizes.alignment, top, serves)
@@ -408,14 +451,16 @@ def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     ``N - 1`` and ``|H| * h``, with each dropping EAGLE group holding (and recomputing) exactly one drop
     unit past it (see :func:`group_serves` and :func:`reference_pass`). ``longest`` is the shared prefix
     (:func:`shared_prefix_tokens`) where the layout has groups that lag it; one group lags nothing (vLLM's
-    Unitary coordinator reports no uncached prefix either)."""
-    reach = num_hashes(sizes, n_tokens) * sizes.hash_block
-    cap = min_(max_cache_hit_length(n_tokens, rules), reach)
-    extents = group_extents(cache, sizes, reach)
-    hit = reference_pass(cache, sizes, cap, extents, reach, rules)
+    Unitary coordinator reports no uncached prefix either). Its ``reach`` is ``covered``: every query it
+    makes is bounded by the hashes (its runs by ``covered // b``, its windows by ``x + unit <= covered``),
+    but the reach is not measured."""
+    covered = hash_reach(sizes, n_tokens)
+    cap = min_(max_cache_hit_length(n_tokens, rules), covered)
+    extents = group_extents(cache, sizes, covered)
+    hit = reference_pass(cache, sizes, cap, extents, covered, rules)
     if sizes.unitary or not rules.record_junction:
-        return hit, reach, hit, True
-    return hit, reach, max_(hit, shared_prefix_tokens(cache, sizes, cap, extents, reach, rules)), True
+        return hit, covered, hit, True
+    return hit, covered, max_(hit, shared_prefix_tokens(cache, sizes, cap, extents, covered, rules)), True
 
 
 def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):

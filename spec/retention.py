@@ -1,22 +1,22 @@
 """The write side: what a request leaves in the cache, and where a later request can resume.
 
 A request with prompt ``N`` is admitted with a hit of ``start`` tokens and a shared-prefix junction ``J``
-(vLLM ``shared_prefix_boundary``; -1 for none), prefilled in the chunks the scheduler cuts, samples one
-token and ends. The write side says, per spec group, which of the prompt's block boundaries stay
-findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then consumes
-(:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that shares
-the ``N`` tokens: a block hash past them covers tokens past the prompt.
+(vLLM ``shared_prefix_boundary``; :data:`NO_JUNCTION` for none), prefilled in the chunks the scheduler
+cuts, samples one token and ends. The write side says, per spec group, which of the prompt's block
+boundaries stay findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then
+consumes (:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that
+shares the ``N`` tokens: a block hash past them covers tokens past the prompt.
 
 Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
 
-* ``replay``: where the masks keep state. vLLM 0.33 (``"vllm"``): ``replay_boundaries`` (``N - 1``, or
-  with an EAGLE drop one scheduler block below the last and the resend's aligned boundaries); historical
-  (``"prompt_end"``): ``N - 1`` always; reference (``"resume"``): the points the read side itself resumes
-  at, computed by the read side on the cache the request would leave if every state were retained. One
-  definition, two views: what is retained is what is resumed at.
+* ``replay``: where the masks keep state. vLLM 0.33 (``Replay.VLLM``): ``replay_boundaries`` (``N - 1``,
+  or with an EAGLE drop one scheduler block below the last and the resend's aligned boundaries);
+  historical (``Replay.PROMPT_END``): ``N - 1`` always; reference (``Replay.RESUME``): the points the read
+  side itself resumes at, computed by the read side on the cache the request would leave if every state
+  were retained. One definition, two views: what is retained is what is resumed at.
 * ``checkpoint_drop``: the Mamba prompt checkpoint the scheduler stops at accounts for the EAGLE drop
   (vLLM 0.33) or not (historical).
-* ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``).
+* ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``, ``Junction.UNCACHED``).
 
 Known simplifications (stated in the README): one request at a time, a token budget that never cuts a
 chunk (only the scheduler's mandatory Mamba stops do), no backend-internal Mamba checkpoints, a request that
@@ -24,14 +24,22 @@ samples one token and ends (decode steps would cache more), and a later request 
 its junction (vLLM keeps only the blocks it computed).
 """
 
+from dataclasses import dataclass, replace
+
 from .cache import Held, live_gaps
 from .domain import Kind
-from .policy import Rules, hit_tokens
+from .policy import Junction, Replay, Rules, hit_tokens
 from .sizes import Sizes, hash_reach
 from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_, written
 
-# -1 stands for an absent position: no junction, no partial tail, no state (every consumer ignores <= 0).
-NO_JUNCTION = -1
+# Absent positions, one name per meaning. Each is -1: every reader ignores a position <= 0 (and a gap whose
+# lo >= hi), so an absent entry keeps a tuple's length fixed before the prompt is known, as Z3 needs.
+NO_JUNCTION = -1  # the request records no shared-prefix junction (vLLM shared_prefix_boundary 0)
+NO_PARTIAL_TAIL = -1  # no partial-tail entry of a full-attention group (an entry of Held.points)
+NO_STATE = -1  # no Mamba state (an entry of Held.points, or a chunk end that holds none)
+NO_TAIL = -1  # no kept sliding-window tail (an entry of Held.ends)
+NO_STOP = -1  # no mandatory chunk stop (an entry of ChunkStops)
+NO_GAP = (-1, -1)  # no blocks lost at a chunk stop (an entry of Held.gaps: empty, lo >= hi)
 
 
 def check_retention(sizes: Sizes, interval):
@@ -96,11 +104,11 @@ def group_extent(sizes: Sizes, k, n_tokens, decoded: bool = False):
     block when it is read at hash granularity: the prompt checkpoint's partial tail). ``decoded``: after
     enough decode steps that every prompt token is finalized and aligned (the caching calls of later steps
     reach ``N - L``)."""
-    reach = n_tokens - sizes.hash_lookahead
+    top = n_tokens - sizes.hash_lookahead
     if not decoded:
-        reach = min_(cacheable_tokens(sizes, k, n_tokens), reach)
+        top = min_(cacheable_tokens(sizes, k, n_tokens), top)
     unit = read_unit(sizes, k) if sizes.groups[k].kind is Kind.MAMBA else sizes.groups[k].block
-    return floor_to(max_(reach, 0), unit)
+    return floor_to(max_(top, 0), unit)
 
 
 def read_unit(sizes: Sizes, k) -> int:
@@ -115,7 +123,8 @@ def partial_tails(sizes: Sizes, k, n_tokens):
     """vLLM ``FullAttentionManager._cache_partial_tail_block``: the boundary inside a block that a
     full-attention group whose block exceeds the hash unit registers at each caching call, from the
     hashes the request has then: at schedule time (``N`` tokens) and, with a drafter, again after the
-    sampled token. A later call that caches the block whole drops the earlier entry. -1 for none."""
+    sampled token. A later call that caches the block whole drops the earlier entry. :data:`NO_PARTIAL_TAIL`
+    for none."""
     sg = sizes.groups[k]
     h = sizes.hash_block
     if sg.block == h:
@@ -129,13 +138,14 @@ def partial_tails(sizes: Sizes, k, n_tokens):
         covered = hash_reach(sizes, tokens)
         full = floor_to(min_(cacheable, covered), sg.block)
         # an entry on a block this call caches whole is replaced by the full entry
-        points = [ite(and_(full_before <= floor_to(p, sg.block), floor_to(p, sg.block) < full), NO_JUNCTION, p)
-                  for p in points]
+        points = [ite(and_(full_before <= floor_to(p, sg.block), floor_to(p, sg.block) < full),
+                      NO_PARTIAL_TAIL, p) for p in points]
         x = min_(limit, covered)
         ok = and_(and_(x > 0, x <= cacheable), not_(eq_zero_mod(x, sg.block)))
         # a block carries one partial entry: a new one replaces an older one on the same block
-        points = [ite(and_(ok, eq(floor_to(p, sg.block), floor_to(x, sg.block))), NO_JUNCTION, p) for p in points]
-        points.append(ite(and_(ok, x <= n_tokens - sizes.hash_lookahead), x, NO_JUNCTION))
+        points = [ite(and_(ok, eq(floor_to(p, sg.block), floor_to(x, sg.block))), NO_PARTIAL_TAIL, p)
+                  for p in points]
+        points.append(ite(and_(ok, x <= n_tokens - sizes.hash_lookahead), x, NO_PARTIAL_TAIL))
         full_before = full
     return tuple(points)
 
@@ -147,16 +157,16 @@ def decoded_tail(sizes: Sizes, k, n_tokens):
     (vLLM ``_cache_partial_tail_block``, replacing the prefill's entry on that block; the blocks before it
     are then cached whole). A later prompt sharing the ``N`` tokens can use it only up to ``N - L``; once the
     call completes the block, only the whole block's entry is left, past ``N - L``. Longer decoding can move
-    the entry on or complete the block; a state kept for this entry then goes unused. -1 for none (also when
-    the group's block is the hash unit)."""
+    the entry on or complete the block; a state kept for this entry then goes unused.
+    :data:`NO_PARTIAL_TAIL` for none (also when the group's block is the hash unit)."""
     sg = sizes.groups[k]
     h = sizes.hash_block
     if sg.block == h:
-        return NO_JUNCTION
+        return NO_PARTIAL_TAIL
     tokens = n_tokens + 1 + reprefillable(sizes)
     x = floor_to(min_(cacheable_tokens(sizes, k, tokens), hash_reach(sizes, tokens)), h)
     inside = and_(and_(x > 0, not_(eq_zero_mod(x, sg.block))), x <= n_tokens - sizes.hash_lookahead)
-    return ite(inside, x, NO_JUNCTION)
+    return ite(inside, x, NO_PARTIAL_TAIL)
 
 
 def dense_groups(sizes: Sizes, n_tokens, decoded: bool = False):
@@ -168,8 +178,8 @@ def dense_groups(sizes: Sizes, n_tokens, decoded: bool = False):
         points = ()
         if sg.kind is Kind.FULL:
             points = (decoded_tail(sizes, k, n_tokens),) if decoded else partial_tails(sizes, k, n_tokens)
-        out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens, decoded), True,
-                        points))
+        out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k),
+                        extent=group_extent(sizes, k, n_tokens, decoded), every=True, points=points))
     return tuple(out)
 
 
@@ -213,8 +223,8 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     tokens of it hits 64 under vLLM; vLLM's own ``test_hybrid_mamba_retention_mtp_resend_of_aligned_prompt``;
     DeepSeek-V4, a prompt sharing 20220 of a 45591-token prompt: 16384).
     """
-    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == "resume" else ()
-    if rules.replay == "prompt_end" or not sizes.drop:
+    ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == Replay.RESUME else ()
+    if rules.replay == Replay.PROMPT_END or not sizes.drop:
         return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
     return ours + (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
@@ -222,7 +232,7 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
 
 def junction_boundaries(sizes: Sizes, k, junction):
     """The junction, and for a dropping group one block below it (a sibling that diverges right after
-    the junction cannot peek past it). -1 stands for none."""
+    the junction cannot peek past it). :data:`NO_JUNCTION` for none."""
     sg = sizes.groups[k]
     here = ite(junction > 0, junction, NO_JUNCTION)
     if not sg.drops:
@@ -249,18 +259,19 @@ def sliding_window_gaps(sizes: Sizes, k, n_tokens, start, junction, rules: Rules
     ``s - W + 1``, ``SlidingWindowManager.get_num_skipped_tokens``) before caching that chunk; the chunk
     ending at ``s`` cached only its cacheable prefix (``get_num_cacheable_tokens``: aligned, one peek block
     past it when dropping, nothing when the aligned prefix is 0). A block between the two is never cached.
-    One ``(lo, hi)`` per scheduler stop strictly between ``start`` and ``N``; empty ones are ``lo >= hi``.
+    One ``(lo, hi)`` per scheduler stop (:func:`chunk_stops`); :data:`NO_GAP` at a stop not strictly
+    between ``start`` and ``N``.
     """
     if not gaps_possible(sizes, k):
         return ()
     sg = sizes.groups[k]
     b = sg.block
     out = []
-    for s in chunk_stops(sizes, n_tokens, start, junction, rules):
+    for s in chunk_stops(sizes, n_tokens, start, junction, rules).all():
         inside = and_(start < s, s < n_tokens)
         cached = floor_to(min_(cacheable_tokens(sizes, k, s), hash_reach(sizes, n_tokens)), b)
         freed = floor_to(max_(s - sg.window + 1, 0), b)
-        out.append((ite(inside, cached, NO_JUNCTION), ite(inside, freed, NO_JUNCTION)))
+        out.append(ite(inside, (cached, freed), NO_GAP))
     return tuple(out)
 
 
@@ -268,19 +279,22 @@ def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: 
     """vLLM ``SlidingWindowManager.reachable_block_mask``: the ``need``-block tails a hit needs, ending
     ``shift`` blocks past each aligned boundary; every ``interval`` tokens (every ``A`` when dense); every
     block when a tail would cover a whole segment or the alignment is finer than the block. Blocks in
-    ``gaps`` (:func:`sliding_window_gaps`) are not held; a tail reaching into one is not kept at all."""
+    ``gaps`` (:func:`sliding_window_gaps`) are not held; a tail reaching into one is not kept at all
+    (:data:`NO_TAIL`)."""
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
     extent = group_extent(sizes, k, n_tokens)
     shift = 1 if sg.drops else 0
     need = cdiv(sg.window - 1, b) + shift
+    all_blocks = Held(kind=Kind.SWA, block=b, unit=b, extent=extent, every=True, need=need, shift=shift,
+                      gaps=gaps)
     if a % b != 0:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
+        return all_blocks
     dense = interval is None or (interval == 0 and not rules.sparse_zero)
     segment = a if dense else interval
     if segment > 0 and need >= segment // b:
-        return Held(Kind.SWA, b, b, extent, True, (), (), need, shift, 0, gaps)
+        return all_blocks
     ends = ()
     if not dense:
         ends = []
@@ -289,30 +303,54 @@ def sliding_window_held(sizes: Sizes, k, n_tokens, interval, boundaries, rules: 
             lost = False
             for lo, hi in gaps:
                 lost = or_(lost, and_(and_(lo < hi, lo < t), t - need * b < hi))
-            ends.append(ite(lost, NO_JUNCTION, t))
+            ends.append(ite(lost, NO_TAIL, t))
         ends = tuple(ends)
-    return Held(Kind.SWA, b, b, extent, False, (), ends, need, shift, segment, gaps)
+    return Held(kind=Kind.SWA, block=b, unit=b, extent=extent, every=False, ends=ends, need=need, shift=shift,
+                period=segment, gaps=gaps)
 
 
-def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules):
+@dataclass(frozen=True)
+class ChunkStops:
+    """The scheduler's mandatory chunk ends of a prefill from ``start`` (vLLM
+    ``_mamba_block_aligned_split``'s ``stops``), unfiltered: a stop counts only strictly between ``start``
+    and ``N``; an absent one is :data:`NO_STOP`.
+
+    Attributes:
+        mandatory: the positions a chunk must end at, in this order: the prompt checkpoint at the config
+            block (vLLM ``last_cache_position``), with partial hits the partial-hit tail past it (vLLM
+            ``tail_boundary``), and the junction floored to the config block past ``start`` (vLLM
+            ``junction_stop``). The next chunk starts at each.
+        block_ends: the end of the config block that ``start`` and each of those but the checkpoint (a
+            multiple of the config block already) lies in (vLLM ``next_block_boundary``: a chunk that
+            starts inside a config block stops at its end).
+    """
+
+    mandatory: tuple = ()
+    block_ends: tuple = ()
+
+    def all(self) -> tuple:
+        """Every stop: the mandatory ones, then the block ends."""
+        return self.mandatory + self.block_ends
+
+
+def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules) -> ChunkStops:
     """The scheduler's mandatory chunk ends when a Mamba group is present (vLLM
-    ``_mamba_block_aligned_split``, ``block_size`` = the config block): the prompt checkpoint, the
-    partial-hit tail (with partial hits), the junction floored to the config block past ``start``, and the
-    end of the config block ``start`` and each of those lies in (a chunk that starts inside a config block
-    stops at its end). Unfiltered: a stop counts only strictly between ``start`` and ``N``."""
+    ``_mamba_block_aligned_split``, ``block_size`` = the config block; none without a Mamba group): see
+    :class:`ChunkStops`."""
     if not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
-        return ()
+        return ChunkStops()
     big = sizes.config_block
     drop = sizes.drop and rules.checkpoint_drop
     lookahead = sizes.hash_lookahead
-    first = checkpoint_position(n_tokens, big, drop, lookahead)
-    stops = [first]
+    last_cache_position = checkpoint_position(n_tokens, big, drop, lookahead)
+    later = []  # the stops past the checkpoint
     if sizes.partial_hits:
         tail = checkpoint_position(n_tokens, sizes.hash_block, drop, lookahead)
-        stops.append(ite(and_(first < tail, tail < n_tokens), tail, NO_JUNCTION))
-    stops.append(ite(and_(start < junction, junction < n_tokens), start + floor_to(junction - start, big),
-                     NO_JUNCTION))
-    return tuple(stops + [ceil_to(e, big) for e in [start] + stops[1:]])
+        later.append(ite(and_(last_cache_position < tail, tail < n_tokens), tail, NO_STOP))
+    later.append(ite(and_(start < junction, junction < n_tokens), start + floor_to(junction - start, big),
+                     NO_STOP))
+    return ChunkStops(mandatory=(last_cache_position,) + tuple(later),
+                      block_ends=tuple(ceil_to(e, big) for e in [start] + later))
 
 
 def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
@@ -320,13 +358,12 @@ def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules:
     ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
     checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
     block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
-    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are -1."""
-    stops = list(chunk_stops(sizes, n_tokens, start, junction, rules))
+    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are :data:`NO_STATE`."""
+    stops = chunk_stops(sizes, n_tokens, start, junction, rules)
     # A chunk that starts inside a Mamba block carries the state on to that block's end, where its slot
     # then holds it: the start and the checkpoint, partial-hit tail and junction stops.
-    stops += [ceil_to(e, block) for e in [start] + stops[:len(stops) // 2]]
-    ends = tuple(ite(and_(start < e, e < n_tokens), e, NO_JUNCTION) for e in stops)
-    return ends + (n_tokens,)
+    ends = stops.all() + tuple(ceil_to(e, block) for e in (start,) + stops.mandatory)
+    return tuple(ite(and_(start < e, e < n_tokens), e, NO_STATE) for e in ends) + (n_tokens,)
 
 
 def ceil_to(x, unit: int):
@@ -347,12 +384,13 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     unit = read_unit(sizes, k)
     extent = group_extent(sizes, k, n_tokens)
     aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
-    if rules.replay == "resume":  # one state per interval, each at a boundary the read side can use
+    if rules.replay == Replay.RESUME:  # one state per interval, each at a boundary the read side can use
         # a state at or below the hit was an earlier request's: this one computes from its hit on
-        points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_JUNCTION) for x in aligned)
+        points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_STATE) for x in aligned)
         every = interval is None or (interval == 0 and not rules.sparse_zero)
         period = interval if (interval is not None and interval > 0) else 0
-        return Held(Kind.MAMBA, b, unit, extent, every, points, (), 0, 0, period)
+        return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points,
+                    period=period)
     # vLLM's mask: every block when dense or when the interval is at most one block (vLLM returns None)
     every_block = interval is not None and interval > 0 and interval // b <= 1
     period = interval if (interval is not None and interval > 0 and not every_block) else 0
@@ -366,7 +404,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
         for x in aligned:
             kept = or_(kept, eq(e, floor_to(x, b)))  # the block ending at or before the boundary
         ok = and_(and_(and_(e > 0, e <= extent), eq_zero_mod(e, b)), kept)
-        points.append(ite(ok, e, NO_JUNCTION))
+        points.append(ite(ok, e, NO_STATE))
     drop = sizes.drop and rules.checkpoint_drop
     tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
     is_end = False
@@ -375,11 +413,11 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     # registered by a caching call whose cacheable tokens end exactly there: one at a chunk end (a scheduler
     # stop) or the last one (a state that only lands at a Mamba block's end inside a chunk gets no call)
     called = eq(cacheable_tokens(sizes, k, n_tokens), tail)
-    for c in chunk_stops(sizes, n_tokens, start, junction, rules):
+    for c in chunk_stops(sizes, n_tokens, start, junction, rules).all():
         called = or_(called, and_(and_(start < c, c < n_tokens), eq(cacheable_tokens(sizes, k, c), tail)))
     ok = and_(and_(and_(tail > 0, tail <= n_tokens - sizes.hash_lookahead), is_end), called)
-    points.append(ite(ok, tail, NO_JUNCTION))
-    return Held(Kind.MAMBA, b, unit, extent, False, tuple(points))
+    points.append(ite(ok, tail, NO_STATE))
+    return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=False, points=tuple(points))
 
 
 def eq_zero_mod(x, unit: int):
@@ -407,8 +445,7 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             if gaps and not (isinstance(start, int) and start == 0):
                 # what this request writes starts at its hit: the blocks before it are the earlier
                 # request's (see merge)
-                held = Held(held.kind, held.block, held.unit, held.extent, held.every, held.points, held.ends,
-                            held.need, held.shift, held.period, gaps + ((0, floor_to(max_(start, 0), sg.block)),))
+                held = replace(held, gaps=gaps + ((0, floor_to(max_(start, 0), sg.block)),))
             out.append(held)
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules))
@@ -416,8 +453,8 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             points = ()
             if sg.kind is Kind.FULL:
                 points = partial_tails(sizes, k, n_tokens)
-            out.append(Held(sg.kind, sg.block, read_unit(sizes, k), group_extent(sizes, k, n_tokens), True,
-                            points))
+            out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k),
+                            extent=group_extent(sizes, k, n_tokens), every=True, points=points))
     return tuple(out)
 
 
@@ -430,15 +467,14 @@ def merge(old, new):
     out = []
     for g, h in zip(old, new):
         gaps = tuple((max_(a[0], c[0]), min_(a[1], c[1])) for a in live_gaps(g.gaps) for c in live_gaps(h.gaps))
-        out.append(Held(g.kind, g.block, g.unit, g.extent, g.every, g.points + h.points, g.ends + h.ends,
-                        g.need, g.shift, g.period, gaps))
+        out.append(replace(g, points=g.points + h.points, ends=g.ends + h.ends, gaps=gaps))
     return tuple(out)
 
 
 def junction_of(sizes: Sizes, hit, longest, rules: Rules):
     """Where a request records its junction: vLLM ``hit + num_uncached`` when something was uncached
     (``longest`` is the longest candidate the lookup saw), else none."""
-    if rules.junction == "next_block":
+    if rules.junction == Junction.NEXT_BLOCK:
         return hit + sizes.scheduler_block
     return ite(longest > hit, longest, NO_JUNCTION)
 
@@ -448,9 +484,9 @@ def clip(sizes: Sizes, g: Held, shared):
     the boundaries up to ``shared - L`` (the hash of the block ending at ``x`` covers the ``L`` lookahead
     tokens past it; a hash past them covers tokens the two prompts do not share)."""
     top = shared - sizes.hash_lookahead
-    points = tuple(ite(p <= top, p, NO_JUNCTION) for p in g.points)
-    return Held(g.kind, g.block, g.unit, min_(g.extent, top), g.every, points, g.ends, g.need, g.shift,
-                g.period, g.gaps)
+    absent = NO_STATE if g.kind is Kind.MAMBA else NO_PARTIAL_TAIL
+    points = tuple(ite(p <= top, p, absent) for p in g.points)
+    return replace(g, extent=min_(g.extent, top), points=points)
 
 
 def serve(sizes: Sizes, n_tokens, interval, rules: Rules, cache):

@@ -607,12 +607,13 @@ def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, bloc
     return hit, reach
 
 
-def group_reference_hit(model: CoordinatorModel, cache: CacheState, k: int, bound: int, reach: int) -> int:
+def group_reference_hit(model: CoordinatorModel, cache: CacheState, k: int, bound: int, covered: int) -> int:
     """The reference hit of spec group ``k`` on its own: the longest multiple of ``A`` at most ``bound``
-    that the group serves (``refimpl.reference_pass`` over a layout of that one spec group)."""
+    that the group serves within the ``covered`` tokens the block hashes cover (``refimpl.reference_pass``
+    over a layout of that one spec group)."""
     alone = dataclasses.replace(model.sizes, groups=(model.sizes.groups[k],))
     one = _OneGroup(cache, k)
-    return reference_pass(one, alone, bound, group_extents(one, alone, reach), reach, REFERENCE)
+    return reference_pass(one, alone, bound, group_extents(one, alone, covered), covered, REFERENCE)
 
 
 def _spec_groups(coordinator: KVCacheCoordinator) -> tuple[list[tuple], int]:
@@ -699,10 +700,10 @@ def _walk_full_attention(plan: _GroupPlan, block_hashes: Sequence, max_cache_hit
         |  cached blocks (run)  | tail? |            found = run * b (+ the partial tail)
         0                              walked * b    the blocks the finder looked at
     """
-    reach = len(block_hashes) * plan.block_pool.hash_block_size
-    max_length = min(max_cache_hit_length + plan.margin, reach) if plan.eagle else max_cache_hit_length
+    covered = len(block_hashes) * plan.block_pool.hash_block_size
+    max_length = min(max_cache_hit_length + plan.margin, covered) if plan.eagle else max_cache_hit_length
     blocks, found = plan.find(block_hashes, max_length, plan.unit)
-    walked = min(max_length, reach) // plan.block
+    walked = min(max_length, covered) // plan.block
     return _new_tuple(_Walk, (plan.group_ids, plan.block, blocks, found, walked))
 
 
@@ -761,9 +762,9 @@ def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: Coordi
     hit (at most the cap and the hashes) and vLLM's blocks for it."""
     walks = _walks(model, block_hashes, max_cache_hit_length)
     cache = pool_cache(coordinator, block_hashes, model, walks=walks)
-    reach = len(block_hashes) * model.sizes.hash_block
-    bound = min(max_cache_hit_length, reach)
-    hits = [group_reference_hit(model, cache, k, bound, reach) for k in range(len(model.sizes.groups))]
+    covered = len(block_hashes) * model.sizes.hash_block
+    bound = min(max_cache_hit_length, covered)
+    hits = [group_reference_hit(model, cache, k, bound, covered) for k in range(len(model.sizes.groups))]
     out_blocks: list[list] = [[] for _ in coordinator.single_type_managers]
     out_hits = [0] * len(coordinator.single_type_managers)
     for plan, walk in zip(model.plans, walks):

@@ -283,7 +283,7 @@ def stall_predicted(sizes, n, start, junction, rules) -> bool:
     lp = sizes.prefill_lookahead
     if lp < 2 or not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
         return False
-    stops = chunk_stops(sizes, n, start, junction, rules)
+    stops = chunk_stops(sizes, n, start, junction, rules).all()
     return any(start < e < n and n - e < lp for e in stops)
 
 
