@@ -113,7 +113,8 @@ def layered_groups(draw):
             points = tuple(draw(st.lists(inside, max_size=2)))
         scale = unit if kind is Kind.MAMBA else block
         layer_period = draw(st.sampled_from([0, period])) if kind is Kind.SWA else period
-        out.append(Held(kind, block, unit, draw(span) * scale, every, points, ends, need, shift, layer_period))
+        out.append(Held(kind=kind, block=block, unit=unit, extent=draw(span) * scale, every=every, points=points,
+                        ends=ends, need=need, shift=shift, period=layer_period))
     return tuple(out)
 
 
@@ -141,8 +142,8 @@ def middle_piece_groups(draw):
     for extent, ends in layers:
         extra = tuple(draw(st.lists(st.integers(-1, e + 8), max_size=2)))
         ends = tuple(draw(st.permutations(ends + extra)))
-        out.append(Held(Kind.SWA, block, block, extent * block, False, (),
-                        tuple(-1 if t < 0 else t * block for t in ends), need))
+        out.append(Held(kind=Kind.SWA, block=block, unit=block, extent=extent * block,
+                        ends=tuple(-1 if t < 0 else t * block for t in ends), need=need))
     return tuple(draw(st.permutations(out)))
 
 
@@ -263,8 +264,8 @@ def _three_pieces(constraints):
     3-6 and 8-11. The window of blocks 5-8 (ending at token 144) is covered only by B's first tail, A's cut
     tail and B's second: three pieces."""
     b = 16
-    layer_a = Held(Kind.SWA, b, b, 8 * b, False, (), (10 * b,), 4)
-    layer_b = Held(Kind.SWA, b, b, 20 * b, False, (), (12 * b, 7 * b), 4)
+    layer_a = Held(kind=Kind.SWA, block=b, unit=b, extent=8 * b, ends=(10 * b,), need=4)
+    layer_b = Held(kind=Kind.SWA, block=b, unit=b, extent=20 * b, ends=(12 * b, 7 * b), need=4)
     return ((layer_a, layer_b),), ((_symbolic(layer_a, constraints), _symbolic(layer_b, constraints)),)
 
 
@@ -276,16 +277,18 @@ def test_a_window_needs_a_middle_piece_that_two_piece_chains_miss():
         constraints = [top.z == 144]
         concrete, symbolic = _three_pieces(constraints)
         right, wrong = SymbolicWrittenCache(symbolic), TwoPieceChains(symbolic)
-        answers = [(c.window(0, 144, 16, 4, 0), c.last_held(0, 16, 0, top, 16, 4, 0)) for c in (right, wrong)]
+        window = {"unit": 16, "before": 4, "after": 0}
+        answers = [(c.window(0, 144, **window), c.last_held(0, step=16, lo=0, hi=top, **window))
+                   for c in (right, wrong)]
     value = _fixed(constraints)
     loops = written_cache(concrete)
-    assert (loops.window(0, 144, 16, 4, 0), loops.last_held(0, 16, 0, 144, 16, 4, 0)) == (True, 144)
+    assert (loops.window(0, 144, **window), loops.last_held(0, step=16, lo=0, hi=144, **window)) == (True, 144)
     assert [(value(w), value(last)) for w, last in answers] == [(True, 144), (False, 128)]
 
 
 def test_layered_sliding_windows_refuse_gaps_and_unlike_periodic_tails():
     b = 16
-    plain = Held(Kind.SWA, b, b, 20 * b, False, (), (12 * b,), 4)
+    plain = Held(kind=Kind.SWA, block=b, unit=b, extent=20 * b, ends=(12 * b,), need=4)
     with lowering():
         gapped = replace(plain, gaps=((fresh_int("lo"), fresh_int("hi")),))
         cases = {"gaps": (gapped, plain),

@@ -233,7 +233,8 @@ def sliding_window_descriptions(draw):
     period = 0 if every else draw(st.sampled_from([0, (need + 1) * b, (need + 3) * b]))
     ends = tuple(b * draw(st.integers(-1, 32)) for _ in range(draw(st.integers(0, 3))))
     gaps = tuple((b * lo, b * (lo + draw(st.integers(-1, 6)))) for lo in draw(st.lists(st.integers(0, 30), max_size=3)))
-    return refimpl.Held(refimpl.Kind.SWA, b, b, extent, every, (), ends, need, shift, period, gaps)
+    return refimpl.Held(kind=refimpl.Kind.SWA, block=b, unit=b, extent=extent, every=every, ends=ends, need=need,
+                        shift=shift, period=period, gaps=gaps)
 
 
 @settings(max_examples=60, deadline=None)
@@ -250,8 +251,9 @@ def test_z3_reading_of_gaps_matches_the_loops(held, data):
     after = data.draw(st.integers(0, held.need - before))
     with lowering():
         bounds = [(fresh_int("lo"), fresh_int("hi")) for _ in held.gaps]
-        symbolic = spec_cache.Held(Kind.SWA, b, b, held.extent, held.every, (), held.ends, held.need, held.shift,
-                                   held.period, tuple(bounds))
+        symbolic = spec_cache.Held(kind=Kind.SWA, block=b, unit=b, extent=held.extent, every=held.every,
+                                   ends=held.ends, need=held.need, shift=held.shift, period=held.period,
+                                   gaps=tuple(bounds))
         cache = SymbolicWrittenCache((symbolic,))
         windows = [cache.window(0, x, b, before, after) for x in range(b, 34 * b, b)]
         run = cache.run_from(0, 0, b, 40)
