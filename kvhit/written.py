@@ -1,19 +1,26 @@
-"""A written cache state that answers the refimpl's cache queries without walking every block.
+"""A written cache state that answers the refimpl's cache queries without walking every block: a tested
+optimisation of the spec's definition, not a second one.
 
-``refimpl.written_cache(groups)`` answers ``run_from``, ``window`` and ``last_held`` by asking ``holds``
-once per block: a full-attention group of 64-token blocks holding a 30,000-token prompt costs 470 calls per
-``run_from``, and the plan asks that for every request, setting and policy. :class:`WrittenCache` is the
-same state (spec group ``k`` holds what the :class:`refimpl.Held` ``groups[k]`` says) and finds the first
-boundary a query misses by jumping over the stretches a ``Held`` says are held whole: every block up to the
-extent (full attention, chunked local, a Mamba group that keeps every state, a sliding window that keeps
-every block), a sliding-window tail, a periodic tail; ``last_held`` takes the highest of a group's points
-and of its lattice (the boundaries it holds up to its extent). Where it jumps it restates ``refimpl.holds``'s
-conditions for that stretch; everything else (single points, partial tails, states between periods, a
-sliding window with gaps) it still asks ``refimpl.holds`` about one boundary at a time. It reports the same
-``max_query`` as the refimpl's loops (the highest boundary they would have asked about), so ``reach``
+What a written cache holds is defined once, in ``spec/cache.py``: :func:`kvhit.spec.cache.holds` (with
+:func:`~kvhit.spec.cache.holds_block` for a sliding window) says whether a group holds a boundary, and
+:func:`kvhit.spec.cache.written_cache` reads a cache through it, one boundary at a time (generated as
+``refimpl.holds`` and ``refimpl.written_cache``). That costs a call per block: a full-attention group of
+64-token blocks holding a 30,000-token prompt costs 470 calls per ``run_from``, and the plan asks that for
+every request, setting and policy. :class:`WrittenCache` is the same state (spec group ``k`` holds what the
+:class:`refimpl.Held` ``groups[k]`` says; one layer per group) and finds the first boundary a query misses
+by jumping over the stretches a ``Held`` says are held whole: every block up to the extent (full
+attention, chunked local, a Mamba group that keeps every state, a sliding window that keeps every block), a
+sliding-window tail, a periodic tail; ``last_held`` takes the highest of a group's points and of its
+lattice (the boundaries it holds up to its extent). Where it jumps it relies on ``holds``'s conditions
+for that stretch (each place says which); everything else (single points, partial tails, states between
+periods, a sliding window with gaps) it asks ``refimpl.holds`` about one boundary at a time. It reports the
+same ``max_query`` as the refimpl's loops (the highest boundary they would have asked about), so ``reach``
 accounting is unchanged. It is a cache state, not policy: the hit is still computed by the refimpl's own
-functions. ``tests/tools/test_written_cache.py`` checks it against ``refimpl.written_cache`` query by
-query (on arbitrary ``Held`` descriptions, wider than the write side produces) and hit by hit.
+functions.
+
+``tests/tools/test_written_cache.py`` checks it against ``refimpl.written_cache`` query by query (on
+random ``Held`` descriptions, gaps included, wider than the write side produces) and hit by hit, and shows
+that comparison failing on a reader one block off at the extent.
 """
 
 import math

@@ -335,6 +335,16 @@ def _max_all(values):
 class SymbolicWrittenCache:
     """The cache :class:`kvhit.spec.cache.Held` descriptions say, with symbolic positions.
 
+    What it lowers: :func:`kvhit.spec.cache.written_cache` read through :class:`kvhit.spec.cache.CacheState`'s
+    ``window``, ``run_from`` and ``last_held``, whose one definition of what a group holds is
+    :func:`kvhit.spec.cache.holds` (and :func:`~kvhit.spec.cache.holds_block` for a sliding window,
+    :func:`~kvhit.spec.cache.holds_some` for layers). Those are loops over boundaries, which Z3 cannot
+    run on symbolic positions, so this class restates their conditions as intervals of window ends rather
+    than deriving them; ``tests/properties/test_layered_written_cache.py`` (every query, one layer or
+    several, positions fixed to random integers) and ``tests/properties/test_write_side.py`` (what the
+    write side leaves) check it against ``written_cache`` on concrete inputs, and a reading known to be
+    wrong (``TwoPieceChains``) is shown to fail there.
+
     Full attention holds every block up to its extent and a few single boundaries; Mamba holds single
     states (and every state, or every ``period`` tokens, up to its extent); a sliding window holds tails
     of ``need`` blocks ending at a few symbolic positions and at periodic ones. A window query is decided
