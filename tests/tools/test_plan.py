@@ -69,7 +69,7 @@ def test_worker_processes_give_the_numbers_of_one_process(monkeypatch, name, spe
             super().__init__(workers, **kwargs)
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
-    monkeypatch.setattr(plan, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(plan.evaluation, "PARALLEL_MIN_WORK", 0)  # the module evaluate reads it from
     results = []
     for jobs in (1, 2):
         cands = plan.evaluate(plan.candidates(catalogue()[name], spec), workload, jobs=jobs)
