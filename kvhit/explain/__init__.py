@@ -24,7 +24,8 @@ first repeat's write, with the junction it recorded) and a longer sibling, each 
 
 By concern: :mod:`.arguments` (the command line's values), :mod:`.trace` (the derived sizes and each
 policy's trace), :mod:`.write_side` (what the first request left and the repeats on it), :mod:`.compare`
-(the invariants, from ``kvhit.proofs``), :mod:`.render` (the text); :func:`explain` here puts them together.
+(the invariants, from ``kvhit.proofs``), :mod:`.text` (the text it prints); :func:`explain` here puts them
+together.
 """
 
 from kvhit import refimpl
@@ -33,7 +34,7 @@ from kvhit.layouts import to_json
 
 from .arguments import CACHES, POLICIES, cache_extents, speculation
 from .compare import violations, write_violations
-from .render import render
+from .text import render
 from .trace import policy_trace, sizes_section
 from .write_side import REPEATS, write_side
 

@@ -4,7 +4,7 @@ violation renders what the claim showed."""
 
 from kvhit import refimpl
 
-from .render import runs
+from .text import runs
 from .trace import why_not
 
 
