@@ -1,7 +1,7 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: e92cc7f9294903e36f4d8a11eb1eec83d567bd14e1fc326ba12c7dd55f7362b6
+spec-sha256: 0ace6274acff919f315249fce6674c2b317e67761dc2b59c8333d752db2d4bbc
 output-sha256: 5ea7499303ba9b8e52fe12c6f19d2fc0c5c5721197f936763e38e43d02d17cd8
 """
 

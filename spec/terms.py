@@ -326,7 +326,7 @@ def ite(cond, then, other):
 @_operator("min({0}, {1})", "minimum of two integers")
 def min_(a, b):
     if (lowering := _owner(a, b)) is not None:
-        return lowering.call(OPERATORS["min_"], (a, b,))
+        return lowering.call(OPERATORS["min_"], (a, b))
     if not is_symbolic(a, b):
         return min(a, b)
     return ite(a <= b, a, b)
@@ -335,7 +335,7 @@ def min_(a, b):
 @_operator("max({0}, {1})", "maximum of two integers")
 def max_(a, b):
     if (lowering := _owner(a, b)) is not None:
-        return lowering.call(OPERATORS["max_"], (a, b,))
+        return lowering.call(OPERATORS["max_"], (a, b))
     if not is_symbolic(a, b):
         return max(a, b)
     return ite(a >= b, a, b)
@@ -356,41 +356,37 @@ def floor_to(a, unit):
 @_operator("(({0}) == ({1}))", "integer equality")
 def eq(a, b):
     if (lowering := _owner(a, b)) is not None:
-        return lowering.call(OPERATORS["eq"], (a, b,))
+        return lowering.call(OPERATORS["eq"], (a, b))
     if not is_symbolic(a, b):
         return a == b
     return _cmp(a, b, "eq")
 
 
-def _symbolic_connective(op: str, a, b):
-    """``and``/``or`` of symbolic operands: predicate sets of a scan variable combine as sets."""
+def _connective(name: str, a, b, decides: bool):
+    """``and_`` (``decides`` False) or ``or_`` (``decides`` True) of two operands: as in Python on concrete
+    ones (an operand equal to ``decides`` decides it); predicate sets of a scan variable combine as sets."""
+    if (lowering := _owner(a, b)) is not None:
+        return lowering.call(OPERATORS[name], (a, b))
+    if not is_symbolic(a, b):
+        return (a or b) if decides else (a and b)
+    if a is decides or b is decides:  # a concrete True (or) or False (and) decides it, as in Python
+        return decides
+    op = "or" if decides else "and"
     hook = getattr(a, "__kvhit_set__", None) or getattr(b, "__kvhit_set__", None)
     if hook is not None:
         return hook(op, a, b)
     z3 = _z3()
-    return Term((z3.And if op == "and" else z3.Or)(_zv(a), _zv(b)))
+    return Term((z3.Or if decides else z3.And)(_zv(a), _zv(b)))
 
 
 @_operator("({0} and {1})", "conjunction")
 def and_(a, b):
-    if (lowering := _owner(a, b)) is not None:
-        return lowering.call(OPERATORS["and_"], (a, b,))
-    if not is_symbolic(a, b):
-        return a and b
-    if a is False or b is False:  # a concrete False decides it, as in Python
-        return False
-    return _symbolic_connective("and", a, b)
+    return _connective("and_", a, b, decides=False)
 
 
 @_operator("({0} or {1})", "disjunction")
 def or_(a, b):
-    if (lowering := _owner(a, b)) is not None:
-        return lowering.call(OPERATORS["or_"], (a, b,))
-    if not is_symbolic(a, b):
-        return a or b
-    if a is True or b is True:  # a concrete True decides it, as in Python
-        return True
-    return _symbolic_connective("or", a, b)
+    return _connective("or_", a, b, decides=True)
 
 
 @_operator("(not {0})", "negation (not of a predicate on a scan variable)")
