@@ -1,6 +1,8 @@
 """kvhit explain: every number in the trace is the refimpl's, recomputed here independently."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -222,3 +224,16 @@ def test_bad_settings_are_refused_with_the_problem_named(capsys, args, message):
 def test_chunked_layout_is_explained_on_the_dense_cache(capsys):
     assert main(["explain", "chunked64", "300", "--cache", "dense"]) == 0
     assert "--cache dense: every state retained" in capsys.readouterr().out
+
+
+def test_explain_without_compare_imports_neither_z3_nor_the_proofs():
+    """Only ``--compare`` evaluates the claims of ``kvhit.proofs`` (and so imports z3): an explanation without it
+    runs where only the wheel is installed; ``--compare`` does import them."""
+    code = ("import sys; from kvhit.cli import main; main(sys.argv[1:]); "
+            "print(sorted(m for m in sys.modules if m == 'z3' or m.startswith('kvhit.proofs')), file=sys.stderr)")
+    args = ["explain", "qwen3next", "2000", "--speculative", "drop"]
+    plain = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and plain.stderr.strip() == "[]", plain.stderr
+    compared = subprocess.run([sys.executable, "-c", code, *args, "--compare"], capture_output=True, text=True,
+                              timeout=120)
+    assert compared.returncode == 0 and "'kvhit.proofs.concrete'" in compared.stderr, compared.stderr
