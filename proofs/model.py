@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import z3
-
 from kvhit import refimpl
 from kvhit.convert import to_refimpl
 from types import SimpleNamespace
@@ -30,6 +28,14 @@ from kvhit.spec.lower_z3 import SymbolicCache, SymbolicWrittenCache, fresh_int, 
 from kvhit.spec.policy import Rules, pass_bound
 from kvhit.spec.sizes import Sizes, derive_sizes
 from kvhit.spec.terms import Term, _zv
+
+
+def _z3():
+    """Z3, imported when a check needs the solver: replaying a claim concretely (:class:`ReplayContext`,
+    ``kvhit explain --compare``) does not, so the operator's install needs no solver for it."""
+    import z3
+
+    return z3
 
 
 # The spec's functions under the names the generated refimpl gives them (one flat module there).
@@ -136,8 +142,8 @@ class _Context:
         sizes = self.sizes(speculation)
         out = True
         for k, sg in enumerate(sizes.groups):
-            units = [sizes.alignment] if sg.kind is Kind.MAMBA and sg.fine else [sg.block]
-            if sg.kind is Kind.FULL and sg.fine:
+            units = [sizes.alignment] if sg.kind == Kind.MAMBA and sg.fine else [sg.block]
+            if sg.kind == Kind.FULL and sg.fine:  # == : refimpl's sizes carry refimpl's Kind
                 units.append(sizes.alignment)  # the boundaries inside a block, for partial hits
             for unit in units:
                 blocks = extent // unit
@@ -168,7 +174,7 @@ class SymbolicContext(_Context):
         return self.symbols[name]
 
     def fresh_bool(self, name: str) -> Term:
-        self.symbols[name] = Term(z3.Bool(f"{name}!{len(self.symbols)}"))
+        self.symbols[name] = Term(_z3().Bool(f"{name}!{len(self.symbols)}"))
         return self.symbols[name]
 
     def show(self, name: str, value):
@@ -218,7 +224,7 @@ PORTFOLIO = ((2, 400_000_000), (6, 1_500_000_000))
 
 def _rlimit_count() -> int:
     """The resource units this process's Z3 context has spent so far."""
-    return z3.Solver().statistics().get_key_value("rlimit count")
+    return _z3().Solver().statistics().get_key_value("rlimit count")
 
 
 def solve(formulas):
@@ -227,15 +233,15 @@ def solve(formulas):
     reason = ""
     start = _rlimit_count()
     for arith, limit in PORTFOLIO:
-        z3.set_param("smt.arith.solver", arith)
-        solver = z3.Solver()
+        _z3().set_param("smt.arith.solver", arith)
+        solver = _z3().Solver()
         solver.set("rlimit", limit)
         solver.add(*formulas)
         result = solver.check()
-        if result != z3.unknown:
-            return result, solver.model() if result == z3.sat else None, "", _rlimit_count() - start
+        if result != _z3().unknown:
+            return result, solver.model() if result == _z3().sat else None, "", _rlimit_count() - start
         reason = solver.reason_unknown()
-    return z3.unknown, None, reason, _rlimit_count() - start
+    return _z3().unknown, None, reason, _rlimit_count() - start
 
 
 @dataclass
@@ -250,19 +256,30 @@ class Verdict:
     max_rlimit: int = 0
     counterexample: dict | None = None
     note: str = ""
+    refutations: list = field(default_factory=list)  # every refuted configuration: brief(cex) with its label
 
     def as_json(self) -> dict:
         return {"invariant": self.invariant, "policy": self.policy, "verdict": self.verdict,
                 "configs": len(self.configs), "seconds": round(self.seconds, 3), "rlimit": self.rlimit, "max_rlimit": self.max_rlimit,
                 "layouts": sorted({label.split()[0] for label in self.configs}),
-                "counterexample": self.counterexample}
+                "counterexample": self.counterexample, "refuted_configs": self.refutations}
+
+
+def brief(label: str, cex: dict) -> dict:
+    """One refuted configuration in a line: its label, the inputs and what each policy hits on them."""
+    out = {"config": label, "N": cex.get("N"), "witnesses": cex.get("witnesses"), "shown": cex.get("replayed")}
+    if "repeat_hits" in cex:
+        out["repeat_hits"] = cex["repeat_hits"]
+    else:
+        out["hits"] = cex.get("hits")
+    return out
 
 
 def _as_python(value, model):
     if isinstance(value, Term):
         v = model.eval(value.z, model_completion=True)
-        if z3.is_bool(v):
-            return z3.is_true(v)
+        if _z3().is_bool(v):
+            return _z3().is_true(v)
         return v.as_long()
     if isinstance(value, tuple):
         return tuple(_as_python(v, model) for v in value)
@@ -357,7 +374,7 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
         runs = 1 if scenario is not None else runs_needed(invariant, rules, config)
         ctx = SymbolicContext(config, rules, runs)
         assumption, claim = invariant.claim(ctx)
-        formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
+        formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), _z3().Not(_zv(claim))]
         if scenario is not None:
             formulas.append(ctx.n.z == scenario.n_tokens)
             for name, value in scenario.pinned:
@@ -366,9 +383,9 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
                 formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
         result, model, reason, spent = solve(formulas)
     seconds = time.perf_counter() - start
-    if result == z3.unsat:
+    if result == _z3().unsat:
         return "PROVED", seconds, None, spent
-    if result == z3.unknown:
+    if result == _z3().unknown:
         return "UNKNOWN", seconds, {"reason": reason, "rlimit": spent}, spent
     values = {name: _as_python(term, model) for name, term in ctx.symbols.items()}
     symbolic_shown = {name: _as_python(v, model) for name, v in ctx.shown.items()}
