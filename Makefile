@@ -64,7 +64,7 @@ VERSION    := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 WHEEL      := dist/kvhit-$(VERSION)-py3-none-any.whl
 SDIST      := dist/kvhit-$(VERSION).tar.gz
 DIST_SOURCES := pyproject.toml MANIFEST.in README.md \
-	$(wildcard kvhit/*.py spec/*.py proofs/*.py refimpl/*.py adapters/*.py adapters/vllm/*.py)
+	$(wildcard kvhit/*.py kvhit/*/*.py spec/*.py proofs/*.py refimpl/*.py adapters/*.py adapters/vllm/*.py)
 
 $(BUILD_VENV)/.installed: requirements/build.txt
 	test -x $(BUILD_VENV)/bin/python || $(PYTHON) -m venv $(BUILD_VENV)
