@@ -21,7 +21,7 @@ from kvhit.spec.policy import ALL_POLICIES, POLICIES
 from . import alignment, dcp, eagle, retention, termination, validity
 from .domains import SCENARIOS, configs
 from .expected import EXPECTED
-from .model import Verdict, check
+from .model import Verdict, brief, check
 
 INVARIANTS = (alignment.INVARIANTS + validity.INVARIANTS + eagle.INVARIANTS + dcp.INVARIANTS
               + termination.INVARIANTS + retention.INVARIANTS)
@@ -123,6 +123,7 @@ def run(jobs: int | None = None) -> list[Verdict]:
             v.note = label
         if verdict == "REFUTED":
             v.refuted += 1
+            v.refutations.append(brief(label, cex))
     return list(verdicts.values())
 
 
@@ -166,6 +167,9 @@ def findings(verdicts: list[Verdict]) -> str:
         if entry and v.policy in POLICIES:
             cex = v.counterexample or {}
             lines.append(f"  {v.invariant} / {v.policy}: {entry[1]}\n      {_summary(cex)}")
+            if len(v.refutations) > 1:
+                lines.append(f"      refuted on {len(v.refutations)} configurations (each in --json): "
+                             + "; ".join(f"{r['config']} N={r['N']}" for r in v.refutations))
             if "repeat_hits" in cex:
                 lines.append("      cache: what one request with that prompt left under each policy's write side")
                 lines.append(f"      first three repeats replayed through refimpl: {cex['repeat_hits']}")
