@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 0ace6274acff919f315249fce6674c2b317e67761dc2b59c8333d752db2d4bbc
-output-sha256: 5ea7499303ba9b8e52fe12c6f19d2fc0c5c5721197f936763e38e43d02d17cd8
+spec-sha256: 5378ba171d4804763710acc65f9859f8c99138edb17a818e92c965fcf1e4b960
+output-sha256: 5cae8f8b0961f527f36c7fe6a37096db84eb0b062ae2308e15e105a983eafd77
 """
 
 import itertools
@@ -351,7 +351,7 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
     for (kind, b, window, chunk, _, _), members, drops in merged:
         fine = alignment < b and b % alignment == 0 and fine_grained_capable(kind)
         margin = h if partial and fine_grained_capable(kind) and (b > h) else b
-        groups.append(SpecGroup(kind, b, window, chunk, members, drops, margin, fine))
+        groups.append(SpecGroup(kind=kind, block=b, window=window, chunk=chunk, members=members, drops=drops, margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
     for sg in groups:
         if sg.drops and sg.kind is Kind.CHUNKED:
@@ -361,7 +361,7 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
             raise ValueError(f'group {i}: hit alignment {alignment} is not a multiple of its tokens_per_state {g.tokens_per_state} (vLLM raises the same)')
     if (flagged or speculation.drop) and speculation.prefill_lookahead > scheduler_block:
         raise ValueError(f'scheduler block {scheduler_block} is shorter than the prefill lookahead {speculation.prefill_lookahead} (vLLM raises the same)')
-    return Sizes(scheduler_block, h, partial, alignment, blocks, tuple(groups), unitary, speculation.hash_lookahead, speculation.prefill_lookahead, speculation.drop, layout.dcp, min((g.block_size for g in layout.groups)))
+    return Sizes(scheduler_block=scheduler_block, hash_block=h, partial_hits=partial, alignment=alignment, effective_blocks=blocks, groups=tuple(groups), unitary=unitary, hash_lookahead=speculation.hash_lookahead, prefill_lookahead=speculation.prefill_lookahead, drop=speculation.drop, dcp=layout.dcp, config_block=min((g.block_size for g in layout.groups)))
 
 def num_hashes(sizes: Sizes, n_tokens):
     """``|H|``: block hashes a request of ``n_tokens`` has. With lookahead hashes a block's hash waits
@@ -454,9 +454,10 @@ def scan_last_held(cache, k, step, lo, hi, unit, before, after):
     (the scan asks its highest candidate first)."""
     return max_aligned(step, hi, lambda x: x > lo and cache.window(k, x, unit, before, after))
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Held:
-    """What one spec group holds of a prompt after the write side has run: positions in tokens.
+    """What one spec group holds of a prompt after the write side has run: positions in tokens. Built with
+    keywords only (eleven fields, most of them integers).
 
     Attributes:
         kind, block: the spec group's kind and effective block.

@@ -81,9 +81,10 @@ def scan_last_held(cache, k, step, lo, hi, unit, before, after):
     return max_aligned(step, hi, lambda x: and_(x > lo, cache.window(k, x, unit, before, after)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Held:
-    """What one spec group holds of a prompt after the write side has run: positions in tokens.
+    """What one spec group holds of a prompt after the write side has run: positions in tokens. Built with
+    keywords only (eleven fields, most of them integers).
 
     Attributes:
         kind, block: the spec group's kind and effective block.

@@ -148,7 +148,8 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
     for (kind, b, window, chunk, _, _), members, drops in merged:
         fine = alignment < b and b % alignment == 0 and fine_grained_capable(kind)
         margin = h if (partial and fine_grained_capable(kind) and b > h) else b
-        groups.append(SpecGroup(kind, b, window, chunk, members, drops, margin, fine))
+        groups.append(SpecGroup(kind=kind, block=b, window=window, chunk=chunk, members=members, drops=drops,
+                                margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
     for sg in groups:
         if sg.drops and sg.kind is Kind.CHUNKED:
@@ -161,9 +162,10 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
     if (flagged or speculation.drop) and speculation.prefill_lookahead > scheduler_block:
         raise ValueError(f"scheduler block {scheduler_block} is shorter than the prefill lookahead "
                          f"{speculation.prefill_lookahead} (vLLM raises the same)")
-    return Sizes(scheduler_block, h, partial, alignment, blocks, tuple(groups), unitary,
-                 speculation.hash_lookahead, speculation.prefill_lookahead, speculation.drop, layout.dcp,
-                 min(g.block_size for g in layout.groups))
+    return Sizes(scheduler_block=scheduler_block, hash_block=h, partial_hits=partial, alignment=alignment,
+                 effective_blocks=blocks, groups=tuple(groups), unitary=unitary,
+                 hash_lookahead=speculation.hash_lookahead, prefill_lookahead=speculation.prefill_lookahead,
+                 drop=speculation.drop, dcp=layout.dcp, config_block=min(g.block_size for g in layout.groups))
 
 
 def num_hashes(sizes: Sizes, n_tokens):
