@@ -155,7 +155,7 @@ class _Context:
         """The cache a write side's :class:`kvhit.spec.cache.Held` descriptions say."""
         if self.P is refimpl:
             return refimpl.written_cache(groups)
-        from kvhit.spec.terms import written
+        from kvhit.spec.cache import written
 
         return written(groups)  # symbolic under the Z3 lowering, plain loops otherwise
 
@@ -363,9 +363,11 @@ def counterexample(config: Config, rules: Rules, values: dict, cache, described:
     return cex
 
 
-def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None):
+def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None,
+          max_n: int | None = None):
     """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex,
-    rlimit)`` (``rlimit``: Z3's resource units spent; 0 for a scenario decided without the solver)."""
+    rlimit)`` (``rlimit``: Z3's resource units spent; 0 for a scenario decided without the solver).
+    ``max_n`` bounds the prompt length (to search for the smallest counterexample)."""
     if scenario is not None and scenario.concrete:
         return check_concrete(invariant, rules, scenario)
     start = time.perf_counter()
@@ -375,6 +377,8 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
         ctx = SymbolicContext(config, rules, runs)
         assumption, claim = invariant.claim(ctx)
         formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), _z3().Not(_zv(claim))]
+        if max_n is not None:
+            formulas.append(ctx.n.z <= max_n)
         if scenario is not None:
             formulas.append(ctx.n.z == scenario.n_tokens)
             for name, value in scenario.pinned:

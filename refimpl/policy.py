@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 5378ba171d4804763710acc65f9859f8c99138edb17a818e92c965fcf1e4b960
-output-sha256: 5cae8f8b0961f527f36c7fe6a37096db84eb0b062ae2308e15e105a983eafd77
+spec-sha256: e221f36d18a8a2115e875e705636835ece10402aecf6a9d09f7f8ea21bef4904
+output-sha256: 6ad343d272c15ae5466da59f92d1e54b0483bea793209cce181829825800c763
 """
 
 import itertools
@@ -965,7 +965,7 @@ def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 # (vLLM ``shared_prefix_boundary``; :data:`NO_JUNCTION` for none), prefilled in the chunks the scheduler
 # cuts, samples one token and ends. The write side says, per spec group, which of the prompt's block
 # boundaries stay findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then
-# consumes (:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that
+# consumes (:func:`kvhit.spec.cache.written`). Only boundaries up to ``N - L`` matter to a later prompt that
 # shares the ``N`` tokens: a block hash past them covers tokens past the prompt.
 #
 # Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
@@ -1128,7 +1128,7 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     the cacheable tokens short of the prompt, and there its near and far siblings resume where its resend
     does (every catalogue layout at DCP 1, 2, 4 and 8 and every speculative mode, prompts up to 8 alignment
     units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache
-    description (:func:`kvhit.spec.terms.written` unless a caller has a faster reader of the same
+    description (:func:`kvhit.spec.cache.written` unless a caller has a faster reader of the same
     descriptions)."""
     groups = dense_groups(sizes, n_tokens)
     dense = written_cache(groups) if read is None else read(groups)

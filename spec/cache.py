@@ -17,7 +17,7 @@ its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`). What s
 from dataclasses import dataclass
 
 from .domain import Kind
-from .terms import and_, max_aligned
+from .terms import active, and_, max_aligned
 
 
 class CacheState:
@@ -170,6 +170,17 @@ def holds_some(held, x):
         if holds(g, x):
             return True
     return False
+
+
+def written(groups):
+    """The cache state the :class:`Held` descriptions say, for the read side to consume: plain loops in
+    Python (:func:`written_cache`), a decision procedure over tails and points under a lowering that has
+    one (its :meth:`kvhit.spec.terms.Lowering.written`, the Z3 one). A spec group given as a tuple of
+    :class:`Held` layers (what several earlier prompts left) holds their union in both (:func:`layers`).
+    An operator: the generated code calls :func:`written_cache` in its place."""
+    lowering = active()
+    cache = None if lowering is None else lowering.written(tuple(groups))
+    return written_cache(groups) if cache is None else cache
 
 
 def written_cache(groups):

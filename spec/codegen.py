@@ -39,6 +39,12 @@ class _LowerOperators(ast.NodeTransformer):
         return node
 
 
+def _lowered_away(name: str) -> bool:
+    """Whether every call of ``name`` becomes other code in the generated module (an operator whose
+    source does not call it by its own name), so that its definition would be dead there."""
+    return name in OPERATORS and not OPERATORS[name].source.startswith(f"{name}(")
+
+
 def _lower_module(name: str) -> tuple[str, str]:
     source = (SPEC_DIR / f"{name}.py").read_text()
     tree = ast.parse(source)
@@ -49,6 +55,8 @@ def _lower_module(name: str) -> tuple[str, str]:
             continue  # the module docstring becomes a section comment
         if isinstance(stmt, (ast.Import, ast.ImportFrom)):
             continue  # spec-internal imports disappear; stdlib ones are collected in the header
+        if isinstance(stmt, ast.FunctionDef) and _lowered_away(stmt.name):
+            continue  # an operator's spec-side meaning (cache.written): no generated call reaches it
         body.append(_LowerOperators().visit(stmt))
     module = ast.Module(body=body, type_ignores=[])
     ast.fix_missing_locations(module)

@@ -4,7 +4,7 @@ A request with prompt ``N`` is admitted with a hit of ``start`` tokens and a sha
 (vLLM ``shared_prefix_boundary``; :data:`NO_JUNCTION` for none), prefilled in the chunks the scheduler
 cuts, samples one token and ends. The write side says, per spec group, which of the prompt's block
 boundaries stay findable, as one :class:`kvhit.spec.cache.Held` per spec group, which the read side then
-consumes (:func:`kvhit.spec.terms.written`). Only boundaries up to ``N - L`` matter to a later prompt that
+consumes (:func:`kvhit.spec.cache.written`). Only boundaries up to ``N - L`` matter to a later prompt that
 shares the ``N`` tokens: a block hash past them covers tokens past the prompt.
 
 Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
@@ -26,11 +26,11 @@ its junction (vLLM keeps only the blocks it computed).
 
 from dataclasses import dataclass, replace
 
-from .cache import Held, live_gaps
+from .cache import Held, live_gaps, written
 from .domain import Kind
 from .policy import Junction, Replay, Rules, hit_tokens
 from .sizes import Sizes, hash_reach
-from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_, written
+from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_
 
 # Absent positions, one name per meaning. Each is -1: every reader ignores a position <= 0 (and a gap whose
 # lo >= hi), so an absent entry keeps a tuple's length fixed before the prompt is known, as Z3 needs.
@@ -199,7 +199,7 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     the cacheable tokens short of the prompt, and there its near and far siblings resume where its resend
     does (every catalogue layout at DCP 1, 2, 4 and 8 and every speculative mode, prompts up to 8 alignment
     units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache
-    description (:func:`kvhit.spec.terms.written` unless a caller has a faster reader of the same
+    description (:func:`kvhit.spec.cache.written` unless a caller has a faster reader of the same
     descriptions)."""
     groups = dense_groups(sizes, n_tokens)
     dense = written(groups) if read is None else read(groups)

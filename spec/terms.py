@@ -414,22 +414,10 @@ def max_aligned(step: int, hi, pred: Callable[[Any], Any]):
     return (_ACTIVE.get() or _PYTHON).max_aligned(step, hi, pred)
 
 
-@_operator("written_cache({0})", "the cache a write side leaves: per spec group a Held, or a tuple of Held layers")
-def written(groups):
-    """The cache state the :class:`kvhit.spec.cache.Held` descriptions say, for the read side to consume:
-    plain loops in Python (:func:`kvhit.spec.cache.written_cache`), a decision procedure over tails and
-    points in Z3 (the lowering's :meth:`Lowering.written`). A spec group given as a tuple of :class:`Held`
-    layers (what several earlier prompts left) holds their union in both lowerings
-    (:func:`kvhit.spec.cache.layers`)."""
-    lowering = _ACTIVE.get()
-    cache = None if lowering is None else lowering.written(tuple(groups))
-    if cache is not None:
-        return cache
-    # The plain loops live with Held in spec/cache.py, which imports this module: the one import of a
-    # module above this one left here (moving the operator's Python meaning next to Held removes it).
-    from .cache import written_cache
-
-    return written_cache(groups)
+# The operator's meaning lives with Held (:func:`kvhit.spec.cache.written`), which imports this module; only
+# its generated form is registered here, like passes and stop.
+OPERATORS["written"] = Operator("written", "written_cache({0})", "the cache a write side leaves: per spec group "
+                                "a Held, or a tuple of Held layers")
 
 
 def passes(bound: int):
