@@ -171,3 +171,66 @@ def test_w4_repro_the_deepseek_v4_report_returns_on_the_first_resend_exactly_as_
         seen[retention] = (vllm_hits, _served(DSV4_REPORT, drop, n, retention, REFERENCE))
     assert seen[0] == ([0, 16384, 32768, 32768], [0, 32768, 32768, 32768])
     assert seen[None][0] == [0, 32768, 32768, 32768]
+
+
+# ----------------------------------------------------------------------------------------------------
+# F5, F6: read-side defects the repaired policy (``vllm_0_33_repaired``) removes.
+# ----------------------------------------------------------------------------------------------------
+
+REPAIRED = policy_rules("vllm_0_33_repaired")
+
+
+def _boundaries(field):
+    return set() if field == "-" else {int(x) for x in field.split(",")}
+
+
+F5_LAYOUTS = {
+    "gemma": GEMMA,
+    "full32+swa16w64": Layout((Group("full", 32), Group("swa", 16, window=64))),
+}
+
+
+def test_f5_repro_loses_an_alignment_unit_on_the_short_window_drop_exactly_as_vllm_0_33_predicts():
+    rows = _run("f5_swa_drop_align.py")
+    drop = Speculation("drop", 1)
+    lost = {}
+    for row in rows:
+        layout, n = F5_LAYOUTS[row["case"]], int(row["N"])
+        sizes = derive_sizes(layout, drop)
+        assert [sg.kind.value for sg in sizes.groups] == ["full", "swa"]
+        cache = CacheState.from_sets([_boundaries(row["full"]), _boundaries(row["swa"])])
+        hit = int(row["hit"])
+        assert hit == _predict(layout, drop, n, cache, VLLM)["hit"], row
+        # The cache the engine left is the one the model's write side says a served prompt leaves.
+        assert hit == repeat_hits(sizes, n, 0, VLLM, 1)[0], row
+        repaired, reference = (_predict(layout, drop, n, cache, rules)["hit"] for rules in (REPAIRED, REFERENCE))
+        assert repaired == reference, row
+        lost[(row["case"], n)] = (repaired - hit, sizes.alignment)
+    # Below a full window the resend loses one alignment unit; with a full window cached (gemma 576,
+    # full32+swa16w64 96) the drop takes the found-window path and nothing is lost.
+    for case, (tokens, unit) in lost.items():
+        assert tokens == (0 if case in {("gemma", 576), ("full32+swa16w64", 96)} else unit), (case, tokens)
+
+
+def test_f6_repro_misses_the_full_block_past_the_last_token_exactly_as_vllm_0_33_predicts():
+    rows = _run("f6_full_probe_past_max.py")
+    none = Speculation("none")
+    lost = {}
+    for row in rows:
+        dcp, n = int(row["case"].removeprefix("dcp")), int(row["N"])
+        layout = Layout((Group("full", 1600), Group("mamba", 1600)), dcp=dcp, name="qwen3next")
+        sizes = derive_sizes(layout, none)
+        assert sizes.partial_hits and sizes.groups[0].block == 1600 * dcp
+        assert int(row["hashes"]) == num_hashes(sizes, n)
+        cache = CacheState.from_sets([_boundaries(row["full"]), _boundaries(row["mamba"])])
+        hit = int(row["hit"])
+        assert hit == _predict(layout, none, n, cache, VLLM)["hit"], row
+        repaired, reference = (_predict(layout, none, n, cache, rules)["hit"] for rules in (REPAIRED, REFERENCE))
+        assert repaired == reference, row
+        lost[(row["case"], int(row["first"]), n)] = repaired - hit
+    # A prompt ending at the end of a cached full block past N - 1 loses the block; a plain resend (its
+    # last boundary inside the block is cached) loses nothing.
+    assert {case for case, tokens in lost.items() if tokens > 0} == {
+        ("dcp2", 4800, 3200), ("dcp2", 8000, 6400), ("dcp4", 6400, 4800), ("dcp4", 8000, 6400)}
+    assert lost[("dcp2", 4800, 4800)] == 0
+    assert all(tokens % 1600 == 0 for tokens in lost.values())
