@@ -37,6 +37,9 @@ def _beyond_catalogue():
     out.append(Layout((Group(S, 32, window=64), Group(M, 64)), name="swa32_mamba64"))
     out.append(Layout((Group(F, 64), Group(M, 64), Group(M, 128)), name="full64_mamba64_mamba128"))
     out.append(Layout((Group(F, 128), Group(M, 128)), prefix_match_unit=32, name="full128_mamba128_pmu32"))
+    # One Mamba group: the Unitary coordinator over a kind that never drops (a repaired Unitary margin once
+    # took it past N - 1).
+    out.append(Layout((Group(M, 16),), name="mamba16"))
     return out
 
 

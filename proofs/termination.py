@@ -15,15 +15,15 @@ def hit_loop_terminates(ctx):
     sizes = ctx.sizes()
     P = ctx.P
     hashes = P.num_hashes(sizes, ctx.n)
-    reach = hashes * sizes.hash_block
+    covered = hashes * sizes.hash_block
     bound = ctx.fresh("L")
     assumption = bound >= 0
     outs = []
     if ctx.rules.declarative:
-        extents = P.group_extents(ctx.cache, sizes, reach)
-        outs.append((P.reference_pass(ctx.cache, sizes, bound, extents, reach, ctx.rules), bound))
+        extents = P.group_extents(ctx.cache, sizes, covered)
+        outs.append((P.reference_pass(ctx.cache, sizes, bound, extents, covered, ctx.rules), bound))
     elif sizes.unitary:
-        outs.append((P.lookup(ctx.cache, sizes, 0, hashes, bound, sizes.groups[0].drops)[0], bound))
+        outs.append((P.lookup(ctx.cache, sizes, 0, hashes, bound, sizes.groups[0].drops, ctx.rules)[0], bound))
     else:
         verified = tuple(ctx.fresh_bool(f"verified{k}") for k in range(len(sizes.groups)))
         lengths = tuple(ctx.fresh(f"length{k}") for k in range(len(sizes.groups)))

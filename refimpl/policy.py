@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: e221f36d18a8a2115e875e705636835ece10402aecf6a9d09f7f8ea21bef4904
-output-sha256: 6ad343d272c15ae5466da59f92d1e54b0483bea793209cce181829825800c763
+spec-sha256: af0f50c34027fc1d974f6fe39237528a348b5a3bf9c93a6bb26667d5af8faaa8
+output-sha256: 0e0c7a460525a01680f6e7815e233e225252e8f592f741ffef2b7e9c566b393c
 """
 
 import itertools
@@ -611,6 +611,17 @@ class Rules:
         checkpoint_drop: the scheduler's Mamba prompt checkpoint accounts for the EAGLE drop.
         sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
         junction: where a request records its shared-prefix junction (:class:`Junction`).
+        cap_at_hashes: repair F1: vLLM's coordinators look every group up at most at ``|H| * h`` (vLLM
+            0.33 caps only full attention and the EAGLE peek there).
+        unitary_margin: repair F2: the Unitary coordinator peeks one drop unit past ``M`` before its EAGLE
+            drop, as the Hybrid one does (vLLM 0.33 looks up at ``M`` and drops a whole block below it).
+        drop_before_align: repair F5: a sliding-window lookup with no full window drops the EAGLE block from
+            the run from block 0 before aligning it (vLLM 0.33 aligns, drops, and aligns again).
+        probe_past_max: repair F6: a full-attention lookup reads its run of cached blocks, and at hash
+            granularity the boundaries of the next block, as far as the hashes go, and caps the hit at
+            ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before it
+            (vLLM 0.33 reads only up to ``M``, and caches only a prompt's last boundary inside a block, so
+            a resend of a prompt ending inside a block misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
 
@@ -631,6 +642,10 @@ class Rules:
     checkpoint_drop: bool = True
     sparse_zero: bool = True
     junction: Junction = Junction.UNCACHED
+    cap_at_hashes: bool = False
+    unitary_margin: bool = False
+    drop_before_align: bool = False
+    probe_past_max: bool = False
     record_junction: bool = True
 
     def __post_init__(self):
@@ -649,7 +664,33 @@ RETAIN_PROMPT_END = replace(REFERENCE, name='retain_prompt_end', replay=Replay.P
 RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name='retain_every_boundary', sparse_zero=False)
 JUNCTION_PAST_HIT = replace(HISTORICAL, name='junction_past_hit', junction=Junction.NEXT_BLOCK)
 WITHOUT_JUNCTION = replace(REFERENCE, name='without_junction', record_junction=False)
-POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
+
+@dataclass(frozen=True)
+class Repair:
+    """A minimal change to one rule of vLLM 0.33's algorithm, as a small upstream patch makes it
+    (``docs/upstream/<name>.patch``).
+
+    Attributes:
+        name: the repair (the patch's name).
+        finding: the finding of docs/findings.md it removes.
+        vllm: the vLLM code it changes.
+        rule: the :class:`Rules` field it sets, and ``value`` what to.
+    """
+    name: str
+    finding: str
+    vllm: str
+    rule: str
+    value: object = True
+REPAIRS = {r.name: r for r in (Repair('cap_at_hashes', 'F1', 'KVCacheCoordinator.find_longest_cache_hit (Unitary and Hybrid)', 'cap_at_hashes'), Repair('unitary_margin', 'F2', 'UnitaryKVCacheCoordinator.find_longest_cache_hit', 'unitary_margin'), Repair('drop_before_align', 'F5', 'SlidingWindowManager.find_longest_cache_hit', 'drop_before_align'), Repair('probe_past_max', 'F6', 'FullAttentionManager.find_longest_cache_hit', 'probe_past_max'), Repair('replay_at_resume', 'W', 'kv_cache_coordinator.replay_boundaries', 'replay', Replay.RESUME))}
+
+def repaired(names, base: Rules=VLLM_0_33, name: str | None=None) -> Rules:
+    """``base`` (vLLM 0.33) with the named repairs of :data:`REPAIRS` on."""
+    rules = base
+    for n in names:
+        rules = replace(rules, **{REPAIRS[n].rule: REPAIRS[n].value})
+    return replace(rules, name=name or '+'.join((base.name,) + tuple(names)))
+VLLM_0_33_REPAIRED = repaired(tuple(REPAIRS), name='vllm_0_33_repaired')
+POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPAIRED)}
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
 
@@ -659,37 +700,46 @@ def max_cache_hit_length(n_tokens, rules: Rules):
         return n_tokens - 1
     return n_tokens
 
-def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``FullAttentionManager.find_longest_cache_hit``.
 
     Order: the leading run of cached blocks (at most ``M // b`` blocks and the hashes), then, when the group
-    is looked up at hash granularity, the highest cached boundary inside the next block; then the drop of
-    ``min(A, b)``; then alignment down to ``A``.
+    is looked up at hash granularity, the highest cached boundary inside the next block up to ``M``; then
+    the drop of ``min(A, b)``; then alignment down to ``A``. With ``probe_past_max`` the run and the probe
+    go as far as the hashes and the hit is then capped at ``M`` (before the drop): a block or boundary cached past
+    ``M`` vouches for every token before it (hashes are prefix-chained), as the reference's extent says.
     """
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
-    limit = min(max_length // b, hashes * sizes.hash_block // b)
+    limit = hashes * sizes.hash_block // b
+    if not rules.probe_past_max:
+        limit = min(max_length // b, limit)
     run = cache.run_from(k, start=0, unit=b, limit=limit)
     hit = run * b
     reach = limit * b
     if sg.fine:
         per_block = b // a
-        top = min(min(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
+        probe = run * per_block + per_block - 1
+        if not rules.probe_past_max:
+            probe = min(probe, max_length // a)
+        top = min(probe, hashes * sizes.hash_block // a)
         partial = cache.last_held(k, step=a, lo=hit, hi=top * a, unit=a, before=1, after=0)
         hit = partial if partial > 0 else hit
         reach = max(reach, top * a)
+    if rules.probe_past_max:
+        hit = min(hit, max_length)
     hit = hit - min(a, b) if drop and hit > 0 else hit
     return (hit // a * a, reach)
 
-def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``SlidingWindowManager.find_longest_cache_hit`` (DCP 1).
 
     Scans blocks from ``M // b`` down for the highest run of ``ceil((W - 1) / b)`` cached blocks (one more,
     the EAGLE peek, when dropping) whose right edge passes the alignment gate (the edge, or when dropping
     the edge minus the peek block, is a multiple of ``A``); the hit is that edge, minus the peek block when
     dropping. With no such run (short prompts) it takes the run from block 0, aligns it, and, when
-    dropping, pops one block and aligns again. It reads from block ``M // b - 1`` without checking the
+    dropping, pops one block and aligns again (with ``drop_before_align``: pops, then aligns). It reads from block ``M // b - 1`` without checking the
     hashes: ``reach`` can pass ``|H| * h``, which raises ``IndexError`` in vLLM.
     """
     sg = sizes.groups[k]
@@ -704,12 +754,15 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     if drop is False:
         return (keep, top)
     found_drop = cache.last_held(k, step=a, lo=need * b - 1, hi=top - b, unit=b, before=need, after=1)
-    gated = ((run - b) // a * a + b if run >= b else 0) // a * a
-    short_drop = (gated - b) // a * a if gated > 0 else 0
+    if rules.drop_before_align:
+        short_drop = (run - b) // a * a if run >= b else 0
+    else:
+        gated = ((run - b) // a * a + b if run >= b else 0) // a * a
+        short_drop = (gated - b) // a * a if gated > 0 else 0
     dropped = found_drop if found_drop > 0 else short_drop
     return (dropped if drop else keep, top)
 
-def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``MambaManager.find_longest_cache_hit``: the highest single cached state at an aligned
     boundary at most ``M``; at hash granularity (capped by the hashes) when partial hits are on. It never
     drops. Without partial hits it reads from block ``M // b - 1`` without checking the hashes."""
@@ -721,7 +774,7 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     top = max_length // sg.block * sg.block
     return (cache.last_held(k, step=a, lo=0, hi=top, unit=sg.block, before=1, after=0), top)
 
-def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
     ``M`` count as computed; then the run of cached blocks from that chunk's first block up to ``M // b``.
     Reads without checking the hashes."""
@@ -733,24 +786,37 @@ def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     reach = min(start + run + 1, end) * b if start < end else 0
     return ((start + run) * b, reach)
 
-def lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """The lookup of spec group ``k``'s kind (vLLM: ``manager_cls.find_longest_cache_hit``)."""
     kind = sizes.groups[k].kind
     if kind is Kind.FULL:
-        return full_attention_lookup(cache, sizes, k, hashes, max_length, drop)
+        return full_attention_lookup(cache, sizes, k, hashes, max_length, drop, rules)
     if kind is Kind.SWA:
-        return sliding_window_lookup(cache, sizes, k, hashes, max_length, drop)
+        return sliding_window_lookup(cache, sizes, k, hashes, max_length, drop, rules)
     if kind is Kind.MAMBA:
-        return mamba_lookup(cache, sizes, k, hashes, max_length, drop)
-    return chunked_local_lookup(cache, sizes, k, hashes, max_length, drop)
+        return mamba_lookup(cache, sizes, k, hashes, max_length, drop, rules)
+    return chunked_local_lookup(cache, sizes, k, hashes, max_length, drop, rules)
 
 def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """vLLM: ``UnitaryKVCacheCoordinator.find_longest_cache_hit``: one lookup at ``M = N - 1`` with
-    alignment = the block, dropping when the group is an EAGLE group. No eagle margin, no cap by the
-    hashes."""
+    alignment = the block, dropping when the group is an EAGLE group. No eagle margin (``unitary_margin``:
+    the lookup peeks one drop unit past ``M``, within the hashes, before it drops), no cap by the hashes
+    (``cap_at_hashes``: ``M`` at most ``|H| * h``)."""
     hashes = num_hashes(sizes, n_tokens)
-    hit, reach = lookup(cache, sizes, 0, hashes, max_cache_hit_length(n_tokens, rules), sizes.groups[0].drops)
+    sg = sizes.groups[0]
+    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    if sg.drops and sg.kind is not Kind.MAMBA and rules.unitary_margin:
+        bound = min(bound + sg.margin, hash_reach(sizes, n_tokens))
+    hit, reach = lookup(cache, sizes, 0, hashes, bound, sg.drops, rules)
     return (hit, reach, hit, True)
+
+def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM's coordinators start: ``M`` (:func:`max_cache_hit_length`), with ``cap_at_hashes`` at
+    most ``|H| * h``."""
+    m = max_cache_hit_length(n_tokens, rules)
+    if rules.cap_at_hashes:
+        return min(m, hash_reach(sizes, n_tokens))
+    return m
 
 def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, first, rules: Rules):
     """One pass of vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` loop.
@@ -783,7 +849,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
             if rules.peek_within_hashes:
                 peek = min(peek, covered)
             bound = peek if drop else c
-        n, r = lookup(cache, sizes, k, hashes, bound, drop and rules.pop_after_peek)
+        n, r = lookup(cache, sizes, k, hashes, bound, drop and rules.pop_after_peek, rules)
         cleared = not drop and n < c
         verified = [False if cleared else v for v in verified]
         verified[k] = verified[k] or drop
@@ -809,7 +875,7 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     spec groups led by full attention (the ``simple`` case)."""
     hashes = num_hashes(sizes, n_tokens)
     simple = is_simple(sizes)
-    hit_length = max_cache_hit_length(n_tokens, rules)
+    hit_length = max_length_within_hashes(sizes, n_tokens, rules)
     verified = tuple((False for _ in sizes.groups))
     lengths = tuple((0 for _ in sizes.groups))
     longest = 0
@@ -892,7 +958,7 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
     """
     if sizes.groups[0].kind is Kind.CHUNKED:
-        return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound, drop=False)[0]
+        return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound, drop=False, rules=rules)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
@@ -1129,7 +1195,14 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     does (every catalogue layout at DCP 1, 2, 4 and 8 and every speculative mode, prompts up to 8 alignment
     units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache
     description (:func:`kvhit.spec.cache.written` unless a caller has a faster reader of the same
-    descriptions)."""
+    descriptions).
+
+    The hits are the declarative read side's under the policy's rules (the longest aligned length every
+    group serves). For the reference that is its own read side; for ``vllm_0_33_repaired``, whose read side
+    ``make prove`` proves valid, aligned, capped and the longest valid (so equal to it on every cache), it
+    is the same number at the cost of one candidate scan instead of vLLM's unrolled loop
+    (``tests/properties/test_write_side.py`` compares the two on concrete prompts)."""
+    rules = replace(rules, declarative=True)
     groups = dense_groups(sizes, n_tokens)
     dense = written_cache(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0], hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0])

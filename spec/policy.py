@@ -74,6 +74,17 @@ class Rules:
         checkpoint_drop: the scheduler's Mamba prompt checkpoint accounts for the EAGLE drop.
         sparse_zero: retention interval 0 keeps only the replay boundaries (else it acts as dense).
         junction: where a request records its shared-prefix junction (:class:`Junction`).
+        cap_at_hashes: repair F1: vLLM's coordinators look every group up at most at ``|H| * h`` (vLLM
+            0.33 caps only full attention and the EAGLE peek there).
+        unitary_margin: repair F2: the Unitary coordinator peeks one drop unit past ``M`` before its EAGLE
+            drop, as the Hybrid one does (vLLM 0.33 looks up at ``M`` and drops a whole block below it).
+        drop_before_align: repair F5: a sliding-window lookup with no full window drops the EAGLE block from
+            the run from block 0 before aligning it (vLLM 0.33 aligns, drops, and aligns again).
+        probe_past_max: repair F6: a full-attention lookup reads its run of cached blocks, and at hash
+            granularity the boundaries of the next block, as far as the hashes go, and caps the hit at
+            ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before it
+            (vLLM 0.33 reads only up to ``M``, and caches only a prompt's last boundary inside a block, so
+            a resend of a prompt ending inside a block misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
 
@@ -95,6 +106,10 @@ class Rules:
     checkpoint_drop: bool = True
     sparse_zero: bool = True
     junction: Junction = Junction.UNCACHED
+    cap_at_hashes: bool = False
+    unitary_margin: bool = False
+    drop_before_align: bool = False
+    probe_past_max: bool = False
     record_junction: bool = True
 
     def __post_init__(self):
@@ -120,7 +135,48 @@ JUNCTION_PAST_HIT = replace(HISTORICAL, name="junction_past_hit", junction=Junct
 # what vLLM's junction gives them (vLLM 0.33.0's own tests showed it).
 WITHOUT_JUNCTION = replace(REFERENCE, name="without_junction", record_junction=False)
 
-POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL)}
+
+
+@dataclass(frozen=True)
+class Repair:
+    """A minimal change to one rule of vLLM 0.33's algorithm, as a small upstream patch makes it
+    (``docs/upstream/<name>.patch``).
+
+    Attributes:
+        name: the repair (the patch's name).
+        finding: the finding of docs/findings.md it removes.
+        vllm: the vLLM code it changes.
+        rule: the :class:`Rules` field it sets, and ``value`` what to.
+    """
+
+    name: str
+    finding: str
+    vllm: str
+    rule: str
+    value: object = True
+
+
+REPAIRS = {r.name: r for r in (
+    Repair("cap_at_hashes", "F1", "KVCacheCoordinator.find_longest_cache_hit (Unitary and Hybrid)", "cap_at_hashes"),
+    Repair("unitary_margin", "F2", "UnitaryKVCacheCoordinator.find_longest_cache_hit", "unitary_margin"),
+    Repair("drop_before_align", "F5", "SlidingWindowManager.find_longest_cache_hit", "drop_before_align"),
+    Repair("probe_past_max", "F6", "FullAttentionManager.find_longest_cache_hit", "probe_past_max"),
+    Repair("replay_at_resume", "W", "kv_cache_coordinator.replay_boundaries", "replay", Replay.RESUME),
+)}
+
+
+def repaired(names, base: Rules = VLLM_0_33, name: str | None = None) -> Rules:
+    """``base`` (vLLM 0.33) with the named repairs of :data:`REPAIRS` on."""
+    rules = base
+    for n in names:
+        rules = replace(rules, **{REPAIRS[n].rule: REPAIRS[n].value})
+    return replace(rules, name=name or "+".join((base.name,) + tuple(names)))
+
+
+# vLLM 0.33's own algorithm with every repair on: what the upstream patches make of it.
+VLLM_0_33_REPAIRED = repaired(tuple(REPAIRS), name="vllm_0_33_repaired")
+
+POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPAIRED)}
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
                                  PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END,
                                  RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
@@ -139,38 +195,47 @@ def max_cache_hit_length(n_tokens, rules: Rules):
 # ----------------------------------------------------------------------------------------------------
 
 
-def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``FullAttentionManager.find_longest_cache_hit``.
 
     Order: the leading run of cached blocks (at most ``M // b`` blocks and the hashes), then, when the group
-    is looked up at hash granularity, the highest cached boundary inside the next block; then the drop of
-    ``min(A, b)``; then alignment down to ``A``.
+    is looked up at hash granularity, the highest cached boundary inside the next block up to ``M``; then
+    the drop of ``min(A, b)``; then alignment down to ``A``. With ``probe_past_max`` the run and the probe
+    go as far as the hashes and the hit is then capped at ``M`` (before the drop): a block or boundary cached past
+    ``M`` vouches for every token before it (hashes are prefix-chained), as the reference's extent says.
     """
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
-    limit = min_(max_length // b, hashes * sizes.hash_block // b)
+    limit = hashes * sizes.hash_block // b
+    if not rules.probe_past_max:
+        limit = min_(max_length // b, limit)
     run = cache.run_from(k, start=0, unit=b, limit=limit)
     hit = run * b
     reach = limit * b
     if sg.fine:
         per_block = b // a
-        top = min_(min_(run * per_block + per_block - 1, max_length // a), hashes * sizes.hash_block // a)
+        probe = run * per_block + per_block - 1
+        if not rules.probe_past_max:
+            probe = min_(probe, max_length // a)
+        top = min_(probe, hashes * sizes.hash_block // a)
         partial = cache.last_held(k, step=a, lo=hit, hi=top * a, unit=a, before=1, after=0)
         hit = ite(partial > 0, partial, hit)
         reach = max_(reach, top * a)
+    if rules.probe_past_max:
+        hit = min_(hit, max_length)
     hit = ite(and_(drop, hit > 0), hit - min(a, b), hit)
     return floor_to(hit, a), reach
 
 
-def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``SlidingWindowManager.find_longest_cache_hit`` (DCP 1).
 
     Scans blocks from ``M // b`` down for the highest run of ``ceil((W - 1) / b)`` cached blocks (one more,
     the EAGLE peek, when dropping) whose right edge passes the alignment gate (the edge, or when dropping
     the edge minus the peek block, is a multiple of ``A``); the hit is that edge, minus the peek block when
     dropping. With no such run (short prompts) it takes the run from block 0, aligns it, and, when
-    dropping, pops one block and aligns again. It reads from block ``M // b - 1`` without checking the
+    dropping, pops one block and aligns again (with ``drop_before_align``: pops, then aligns). It reads from block ``M // b - 1`` without checking the
     hashes: ``reach`` can pass ``|H| * h``, which raises ``IndexError`` in vLLM.
     """
     sg = sizes.groups[k]
@@ -185,13 +250,16 @@ def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     if drop is False:  # a group that never drops is never read past its window
         return keep, top
     found_drop = cache.last_held(k, step=a, lo=need * b - 1, hi=top - b, unit=b, before=need, after=1)
-    gated = floor_to(ite(run >= b, floor_to(run - b, a) + b, 0), a)
-    short_drop = ite(gated > 0, floor_to(gated - b, a), 0)
+    if rules.drop_before_align:
+        short_drop = ite(run >= b, floor_to(run - b, a), 0)
+    else:
+        gated = floor_to(ite(run >= b, floor_to(run - b, a) + b, 0), a)
+        short_drop = ite(gated > 0, floor_to(gated - b, a), 0)
     dropped = ite(found_drop > 0, found_drop, short_drop)
     return ite(drop, dropped, keep), top
 
 
-def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``MambaManager.find_longest_cache_hit``: the highest single cached state at an aligned
     boundary at most ``M``; at hash granularity (capped by the hashes) when partial hits are on. It never
     drops. Without partial hits it reads from block ``M // b - 1`` without checking the hashes."""
@@ -204,7 +272,7 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     return cache.last_held(k, step=a, lo=0, hi=top, unit=sg.block, before=1, after=0), top
 
 
-def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
     ``M`` count as computed; then the run of cached blocks from that chunk's first block up to ``M // b``.
     Reads without checking the hashes."""
@@ -217,16 +285,16 @@ def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
     return (start + run) * b, reach
 
 
-def lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
+def lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """The lookup of spec group ``k``'s kind (vLLM: ``manager_cls.find_longest_cache_hit``)."""
     kind = sizes.groups[k].kind
     if kind is Kind.FULL:
-        return full_attention_lookup(cache, sizes, k, hashes, max_length, drop)
+        return full_attention_lookup(cache, sizes, k, hashes, max_length, drop, rules)
     if kind is Kind.SWA:
-        return sliding_window_lookup(cache, sizes, k, hashes, max_length, drop)
+        return sliding_window_lookup(cache, sizes, k, hashes, max_length, drop, rules)
     if kind is Kind.MAMBA:
-        return mamba_lookup(cache, sizes, k, hashes, max_length, drop)
-    return chunked_local_lookup(cache, sizes, k, hashes, max_length, drop)
+        return mamba_lookup(cache, sizes, k, hashes, max_length, drop, rules)
+    return chunked_local_lookup(cache, sizes, k, hashes, max_length, drop, rules)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -236,11 +304,25 @@ def lookup(cache, sizes: Sizes, k, hashes, max_length, drop):
 
 def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """vLLM: ``UnitaryKVCacheCoordinator.find_longest_cache_hit``: one lookup at ``M = N - 1`` with
-    alignment = the block, dropping when the group is an EAGLE group. No eagle margin, no cap by the
-    hashes."""
+    alignment = the block, dropping when the group is an EAGLE group. No eagle margin (``unitary_margin``:
+    the lookup peeks one drop unit past ``M``, within the hashes, before it drops), no cap by the hashes
+    (``cap_at_hashes``: ``M`` at most ``|H| * h``)."""
     hashes = num_hashes(sizes, n_tokens)
-    hit, reach = lookup(cache, sizes, 0, hashes, max_cache_hit_length(n_tokens, rules), sizes.groups[0].drops)
+    sg = sizes.groups[0]
+    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    if sg.drops and sg.kind is not Kind.MAMBA and rules.unitary_margin:  # Mamba never drops (as in the loop)
+        bound = min_(bound + sg.margin, hash_reach(sizes, n_tokens))
+    hit, reach = lookup(cache, sizes, 0, hashes, bound, sg.drops, rules)
     return hit, reach, hit, True
+
+
+def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM's coordinators start: ``M`` (:func:`max_cache_hit_length`), with ``cap_at_hashes`` at
+    most ``|H| * h``."""
+    m = max_cache_hit_length(n_tokens, rules)
+    if rules.cap_at_hashes:
+        return min_(m, hash_reach(sizes, n_tokens))
+    return m
 
 
 def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, first, rules: Rules):
@@ -274,7 +356,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
             if rules.peek_within_hashes:
                 peek = min_(peek, covered)
             bound = ite(drop, peek, c)
-        n, r = lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek))
+        n, r = lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek), rules)
         cleared = and_(not_(drop), n < c)
         verified = [ite(cleared, False, v) for v in verified]
         verified[k] = or_(verified[k], drop)
@@ -303,7 +385,7 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     spec groups led by full attention (the ``simple`` case)."""
     hashes = num_hashes(sizes, n_tokens)
     simple = is_simple(sizes)
-    hit_length = max_cache_hit_length(n_tokens, rules)
+    hit_length = max_length_within_hashes(sizes, n_tokens, rules)
     verified = tuple(False for _ in sizes.groups)
     lengths = tuple(0 for _ in sizes.groups)
     longest = 0
@@ -403,7 +485,7 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """
     if sizes.groups[0].kind is Kind.CHUNKED:
         return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound,
-                                    drop=False)[0]
+                                    drop=False, rules=rules)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:

@@ -200,7 +200,14 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     does (every catalogue layout at DCP 1, 2, 4 and 8 and every speculative mode, prompts up to 8 alignment
     units; ``tests/properties/test_write_side.py``): one point, and only then. ``read``: how to read a cache
     description (:func:`kvhit.spec.cache.written` unless a caller has a faster reader of the same
-    descriptions)."""
+    descriptions).
+
+    The hits are the declarative read side's under the policy's rules (the longest aligned length every
+    group serves). For the reference that is its own read side; for ``vllm_0_33_repaired``, whose read side
+    ``make prove`` proves valid, aligned, capped and the longest valid (so equal to it on every cache), it
+    is the same number at the cost of one candidate scan instead of vLLM's unrolled loop
+    (``tests/properties/test_write_side.py`` compares the two on concrete prompts)."""
+    rules = replace(rules, declarative=True)
     groups = dense_groups(sizes, n_tokens)
     dense = written(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0],

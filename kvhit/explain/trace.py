@@ -79,8 +79,8 @@ _SERVES = {
 
 def _lookup_step(k, sg, sizes, rules, cache, hashes, before, call, after, original_lookup):
     """One recorded lookup as a step of the trace."""
-    (_, _, _, _, bound, drop), (result, reach) = call
-    found = original_lookup(cache, sizes, k, hashes, bound, False)[0] if drop else result
+    (_, _, _, _, bound, drop, _), (result, reach) = call
+    found = original_lookup(cache, sizes, k, hashes, bound, False, rules)[0] if drop else result
     covered = hashes * sizes.hash_block
     peek = bound != before
     where = f"looked up at {bound}"
@@ -169,7 +169,7 @@ def hybrid_trace(cache, sizes, n_tokens, rules):
             stop = f"the pass lowered the candidate {start} -> {end}: another pass"
         out.append({"index": index + 1, "start": start, "first": args[6], "steps": steps, "end": end,
                     "stop": stop})
-    return {"coordinator": "hybrid", "max_length": refimpl.max_cache_hit_length(n_tokens, rules),
+    return {"coordinator": "hybrid", "max_length": refimpl.max_length_within_hashes(sizes, n_tokens, rules),
             "passes": out, "hit": hit, "reach": reach, "longest": longest}
 
 
@@ -178,12 +178,14 @@ def unitary_trace(cache, sizes, n_tokens, rules):
     calls = []
     with _tapped("lookup", lambda a, o: calls.append((a, o))) as original_lookup:
         hit, reach, longest, _ = _policy.unitary_hit_tokens(cache, sizes, n_tokens, rules)
-    m = refimpl.max_cache_hit_length(n_tokens, rules)
+    m = refimpl.max_length_within_hashes(sizes, n_tokens, rules)
     hashes = refimpl.num_hashes(sizes, n_tokens)
     step = _lookup_step(0, sizes.groups[0], sizes, rules, cache, hashes, m, calls[-1], hit, original_lookup)
     step["verified_after"] = [step["drop"]]
-    step["why"] += ("; one KV-cache group: no eagle margin and no cap by the hashes"
-                    if sizes.groups[0].drops else "; one KV-cache group")
+    missing = [what for what, on in (("no eagle margin", rules.unitary_margin), ("no cap by the hashes",
+                                                                                rules.cap_at_hashes)) if not on]
+    step["why"] += ("; one KV-cache group: " + " and ".join(missing)
+                    if sizes.groups[0].drops and missing else "; one KV-cache group")
     return {"coordinator": "unitary", "max_length": m,
             "passes": [{"index": 1, "start": m, "first": True, "steps": [step], "end": hit,
                         "stop": "one lookup"}],

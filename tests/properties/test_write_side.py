@@ -16,9 +16,10 @@ from kvhit.spec.terms import _zv
 
 from .strategies import layouts
 
-write_speculations = st.sampled_from([
+WRITE_SPECULATIONS = (
     refimpl.Speculation("none"), refimpl.Speculation("lookahead", 1), refimpl.Speculation("lookahead", 2, True),
-    refimpl.Speculation("drop", 1), refimpl.Speculation("drop", 2, True)])
+    refimpl.Speculation("drop", 1), refimpl.Speculation("drop", 2, True))
+write_speculations = st.sampled_from(WRITE_SPECULATIONS)
 
 
 @st.composite
@@ -305,6 +306,42 @@ def test_the_decoded_cache_moves_a_resume_point_only_where_resume_points_adds_on
                         assert sizes.drop and refimpl.reprefillable(sizes) > 0, where
                         assert decoded[1] == decoded[2] == decoded[0], where
     assert checked > 30000 and differing > 0, (checked, differing)
+
+
+def test_the_repaired_policy_resumes_where_the_declarative_read_side_does():
+    """``refimpl.resume_points`` computes a policy's resume points with the declarative read side under its
+    rules (cheaper in Z3 than vLLM's unrolled loop). For ``vllm_0_33_repaired`` that is its own read side's
+    answer because make prove proves that read side the longest valid hit; here the two are compared on
+    concrete dense caches (the prefill's and the decoded one) on every catalogue layout at DCP 1 and 2, in
+    every speculative setting, for the resend, the next sibling and the far sibling."""
+    from dataclasses import replace
+
+    from kvhit.layouts import catalogue
+    from kvhit.written import WrittenCache
+
+    own = refimpl.policy_rules("vllm_0_33_repaired")
+    declarative = replace(own, declarative=True)
+    checked = 0
+    for layout in catalogue().values():
+        if any(g.kind.value == "chunked" for g in layout.groups):
+            continue  # no write side
+        for dcp in (1, 2):
+            for speculation in WRITE_SPECULATIONS:
+                try:
+                    sizes = refimpl.derive_sizes(refimpl.Layout(layout.groups, dcp, layout.prefix_match_unit),
+                                                 speculation)
+                except ValueError:
+                    continue
+                top = 6 * max(sizes.alignment, sizes.scheduler_block)
+                for n in range(1, top + 1, max(1, top // 150)):
+                    for decoded in (False, True):
+                        cache = WrittenCache(refimpl.dense_groups(sizes, n, decoded))
+                        for m in (n, n + 1, refimpl.far_sibling(sizes, n)):
+                            where = (layout.name, dcp, speculation, n, decoded, m)
+                            assert (refimpl.hit_tokens(cache, sizes, m, own)[0]
+                                    == refimpl.hit_tokens(cache, sizes, m, declarative)[0]), where
+                            checked += 1
+    assert checked > 10000, checked
 
 
 def test_a_resend_after_decoding_resumes_past_the_prefills_point_under_dcp():

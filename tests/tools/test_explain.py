@@ -67,8 +67,8 @@ def test_every_pass_and_step_reproduces_from_refimpl_hybrid_pass_and_lookup(name
                 assert s["candidate_before"] == before
                 if s["action"] == "lookup":
                     assert (s["result"], s["reach"]) == refimpl.lookup(cache, sizes, s["group"], hashes, s["bound"],
-                                                                       s["drop"])
-                    assert s["found"] == refimpl.lookup(cache, sizes, s["group"], hashes, s["bound"], False)[0]
+                                                                       s["drop"], rules)
+                    assert s["found"] == refimpl.lookup(cache, sizes, s["group"], hashes, s["bound"], False, rules)[0]
                     assert s["candidate_after"] == s["result"]
                 else:
                     assert sizes.groups[s["group"]].kind.value == "full" and p["index"] > 1
@@ -85,7 +85,9 @@ def test_unitary_trace_is_one_refimpl_lookup():
     for t in report["policies"][1:]:
         (step,) = t["passes"][0]["steps"]
         assert (step["bound"], step["drop"]) == (1023, True)
-        assert step["result"] == refimpl.lookup(cache, sizes, 0, refimpl.num_hashes(sizes, 1024), 1023, True)[0]
+        rules = refimpl.policy_rules(t["policy"])
+        assert step["result"] == refimpl.lookup(cache, sizes, 0, refimpl.num_hashes(sizes, 1024), 1023, True,
+                                                rules)[0]
         assert step["result"] == t["hit"] == 992
 
 
