@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: af0f50c34027fc1d974f6fe39237528a348b5a3bf9c93a6bb26667d5af8faaa8
-output-sha256: 0e0c7a460525a01680f6e7815e233e225252e8f592f741ffef2b7e9c566b393c
+spec-sha256: e7130d862fbf4a19f8247a4d8451447eb1d6a3168eb9f30ce46c0954ef202e76
+output-sha256: 3969600548f752b280f6799032dae7adae4947839b6b49ae3bebb473d50d3253
 """
 
 import itertools
@@ -705,16 +705,15 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rule
 
     Order: the leading run of cached blocks (at most ``M // b`` blocks and the hashes), then, when the group
     is looked up at hash granularity, the highest cached boundary inside the next block up to ``M``; then
-    the drop of ``min(A, b)``; then alignment down to ``A``. With ``probe_past_max`` the run and the probe
-    go as far as the hashes and the hit is then capped at ``M`` (before the drop): a block or boundary cached past
-    ``M`` vouches for every token before it (hashes are prefix-chained), as the reference's extent says.
+    the drop of ``min(A, b)``; then alignment down to ``A``. With ``probe_past_max`` the run also reads
+    the block that holds ``M`` and the probe the whole next block (within the hashes), and the hit is then
+    capped at ``M`` before the drop (which then leaves at least 0): a block or boundary cached past ``M``
+    vouches for every token before it (hashes are prefix-chained), as the reference's extent says.
     """
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
-    limit = hashes * sizes.hash_block // b
-    if not rules.probe_past_max:
-        limit = min(max_length // b, limit)
+    limit = min(-(-max_length // b) if rules.probe_past_max else max_length // b, hashes * sizes.hash_block // b)
     run = cache.run_from(k, start=0, unit=b, limit=limit)
     hit = run * b
     reach = limit * b
@@ -727,9 +726,11 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rule
         partial = cache.last_held(k, step=a, lo=hit, hi=top * a, unit=a, before=1, after=0)
         hit = partial if partial > 0 else hit
         reach = max(reach, top * a)
+    dropped = hit - min(a, b)
     if rules.probe_past_max:
         hit = min(hit, max_length)
-    hit = hit - min(a, b) if drop and hit > 0 else hit
+        dropped = max(hit - min(a, b), 0)
+    hit = dropped if drop and hit > 0 else hit
     return (hit // a * a, reach)
 
 def sliding_window_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):

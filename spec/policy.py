@@ -200,16 +200,16 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rule
 
     Order: the leading run of cached blocks (at most ``M // b`` blocks and the hashes), then, when the group
     is looked up at hash granularity, the highest cached boundary inside the next block up to ``M``; then
-    the drop of ``min(A, b)``; then alignment down to ``A``. With ``probe_past_max`` the run and the probe
-    go as far as the hashes and the hit is then capped at ``M`` (before the drop): a block or boundary cached past
-    ``M`` vouches for every token before it (hashes are prefix-chained), as the reference's extent says.
+    the drop of ``min(A, b)``; then alignment down to ``A``. With ``probe_past_max`` the run also reads
+    the block that holds ``M`` and the probe the whole next block (within the hashes), and the hit is then
+    capped at ``M`` before the drop (which then leaves at least 0): a block or boundary cached past ``M``
+    vouches for every token before it (hashes are prefix-chained), as the reference's extent says.
     """
     sg = sizes.groups[k]
     b = sg.block
     a = sizes.alignment
-    limit = hashes * sizes.hash_block // b
-    if not rules.probe_past_max:
-        limit = min_(max_length // b, limit)
+    limit = min_(cdiv(max_length, b) if rules.probe_past_max else max_length // b,
+                 hashes * sizes.hash_block // b)
     run = cache.run_from(k, start=0, unit=b, limit=limit)
     hit = run * b
     reach = limit * b
@@ -222,9 +222,11 @@ def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rule
         partial = cache.last_held(k, step=a, lo=hit, hi=top * a, unit=a, before=1, after=0)
         hit = ite(partial > 0, partial, hit)
         reach = max_(reach, top * a)
+    dropped = hit - min(a, b)
     if rules.probe_past_max:
         hit = min_(hit, max_length)
-    hit = ite(and_(drop, hit > 0), hit - min(a, b), hit)
+        dropped = max_(hit - min(a, b), 0)  # the cap can leave less than one drop unit
+    hit = ite(and_(drop, hit > 0), dropped, hit)
     return floor_to(hit, a), reach
 
 
