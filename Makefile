@@ -34,7 +34,7 @@ venv: $(VENV)/.installed
 setup: $(VENV)/.vllm-installed
 
 prove: venv
-	$(VENV)/bin/kvhit prove
+	$(VENV)/bin/kvhit prove --findings
 
 # Each stage (unit, vLLM's own tests, end to end) runs even when an earlier one failed, so that one red stage
 # does not hide another; the exit code is non-zero if any failed. The unit run is derandomized (CI=1 loads
@@ -99,7 +99,7 @@ conformance: setup
 	$(PY) -m pytest -q tests/conformance
 
 conformance-long: setup
-	KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) \
+	KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) KVHIT_PATCHED_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) \
 	KVHIT_WRITE_SCENARIOS=$(CONFORMANCE_LONG_WRITE_SCENARIOS) $(PY) -m pytest -q tests/conformance
 
 bench: setup

@@ -220,6 +220,10 @@ def main(argv=None) -> int:
                         help="also check the layouts of three or more spec groups (slow: a run did not finish in 20 min on 2 cores)")
     parser.add_argument("--write-vectors", action="store_true",
                         help="save each REFUTED counterexample under tests/vectors/hit_tokens/")
+    parser.add_argument("--findings", action="store_true",
+                        help="attribute every configuration vllm_0_33 fails to a defect: the smallest set of "
+                             "repairs (kvhit.spec.policy.REPAIRS) that proves it, with the smallest counterexample "
+                             "(with --json: an object of 'verdicts' and 'defects')")
     parser.add_argument("--invariant", action="append", default=[], metavar="NAME",
                         help="check only this invariant (repeatable); the run then judges only those")
     args = parser.parse_args(argv)
@@ -232,11 +236,22 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     verdicts = run(args.jobs)
     problems = judge(verdicts)
+    defects = unattributed = None
+    if args.findings:
+        from . import findings as attribution
+
+        defects, unattributed = attribution.attribute(verdicts, BY_NAME, _configs(), SCENARIOS, args.jobs)
+        problems += [f"{inv} / vllm_0_33 on {label} (N={n}): no set of repairs proves it"
+                     for inv, label, n in unattributed]
     if args.json:
-        print(json.dumps([v.as_json() for v in verdicts], indent=1))
+        rows = [v.as_json() for v in verdicts]
+        print(json.dumps(rows if defects is None else {"verdicts": rows, "defects": [d.as_json() for d in defects]},
+                         indent=1))
     else:
         print(table(verdicts))
         print("\n" + findings(verdicts))
+        if defects is not None:
+            print("\n" + attribution.table(defects, unattributed))
         checks = sum(len(v.configs) for v in verdicts)
         print(f"\n{len(_configs())} configurations, {len(verdicts)} verdicts of {checks} checks, "
               f"{time.perf_counter() - start:.1f} s wall, {sum(v.seconds for v in verdicts):.1f} s of checks, "

@@ -2,15 +2,26 @@
 non-vacuity, and the DeepSeek-V4 report's numbers."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+FINDINGS = Path(__file__).resolve().parents[1] / "docs" / "findings.md"
 
 
-def test_kvhit_prove_passes_and_reproduces_the_deepseek_v4_report():
-    out = subprocess.run([sys.executable, "-m", "kvhit.cli", "prove", "--json"], capture_output=True,
-                         text=True, timeout=1800)
+@pytest.fixture(scope="module")
+def prove():
+    out = subprocess.run([sys.executable, "-m", "kvhit.cli", "prove", "--json", "--findings"], capture_output=True,
+                         text=True, timeout=2400)
     assert out.returncode == 0, out.stderr[-4000:]
-    rows = {(r["invariant"], r["policy"]): r for r in json.loads(out.stdout)}
+    return json.loads(out.stdout)
+
+
+def test_kvhit_prove_passes_and_reproduces_the_deepseek_v4_report(prove):
+    rows = {(r["invariant"], r["policy"]): r for r in prove["verdicts"]}
     assert all(r["verdict"] == "PROVED" for (inv, pol), r in rows.items() if pol == "reference")
     assert not any(r["verdict"] == "UNKNOWN" for r in rows.values())
     report = rows[("eagle_loses_at_most_one_block_beyond_alignment@dsv4_report_46240", "historical")]
@@ -30,3 +41,21 @@ def test_kvhit_prove_passes_and_reproduces_the_deepseek_v4_report():
     assert w4["verdict"] == "REFUTED"
     assert (w4["counterexample"]["replayed"]["resume_point"],
             w4["counterexample"]["replayed"]["first_repeat_hit"]) == (32768, 16384)
+
+
+def test_the_repaired_policy_is_proved_everywhere_and_every_vllm_refutation_is_a_defect(prove):
+    rows = prove["verdicts"]
+    assert all(r["verdict"] == "PROVED" for r in rows if r["policy"] == "vllm_0_33_repaired")
+    refuted = {(r["invariant"], c["config"]) for r in rows if r["policy"] == "vllm_0_33" for c in r["refuted_configs"]}
+    attributed = [tuple(c.split(" / ", 1)) for d in prove["defects"] for c in d["configs"]]
+    assert len(attributed) == len(set(attributed)) and set(attributed) == refuted
+    for d in prove["defects"]:  # the smallest counterexample is no longer than any configuration's first one
+        assert d["smallest"]["N"] <= min(c["N"] for r in rows if r["policy"] == "vllm_0_33"
+                                         for c in r["refuted_configs"] if f"{r['invariant']} / {c['config']}"
+                                         in d["configs"]), d
+
+
+def test_docs_findings_lists_exactly_the_defects_of_the_table(prove):
+    """docs/findings.md has one section per defect (``## F1: ...``, ``## W: ...``), no more, no fewer."""
+    documented = set(re.findall(r"^## (F\d+|W\d*):", FINDINGS.read_text(), flags=re.M))
+    assert documented == {d["id"] for d in prove["defects"]}
