@@ -274,7 +274,6 @@ def test_the_decoded_cache_moves_a_resume_point_only_where_resume_points_adds_on
     layout at DCP 1, 2, 4 and 8, in every speculative setting, for prompts up to 8 alignment units, the
     decoded cache gives the resend, the next sibling and the far sibling the hits the prefill's cache gives,
     except in those settings, where the two siblings resume where the decoded resend does."""
-    from kvhit.layouts import catalogue
     from kvhit.written import WrittenCache
 
     rules = refimpl.policy_rules("reference")
@@ -282,30 +281,38 @@ def test_the_decoded_cache_moves_a_resume_point_only_where_resume_points_adds_on
                     refimpl.Speculation("drop", 1), refimpl.Speculation("lookahead", 2, True),
                     refimpl.Speculation("drop", 2, True)]
     differing = checked = 0
+    for layout, dcp, speculation, sizes in _catalogue_write_sizes((1, 2, 4, 8), speculations):
+        top = 8 * max(sizes.alignment, sizes.scheduler_block)
+        if layout.name == "dsv4_report":
+            top = 3 * sizes.scheduler_block
+        for n in range(1, top + 1, max(1, top // 400)):
+            reads = [WrittenCache(refimpl.dense_groups(sizes, n, decoded)) for decoded in (False, True)]
+            prefill, decoded = ([refimpl.hit_tokens(cache, sizes, m, rules)[0]
+                                 for m in (n, n + 1, refimpl.far_sibling(sizes, n))] for cache in reads)
+            checked += 1
+            if prefill != decoded:
+                differing += 1
+                where = (layout.name, dcp, speculation, n, prefill, decoded)
+                assert sizes.drop and refimpl.reprefillable(sizes) > 0, where
+                assert decoded[1] == decoded[2] == decoded[0], where
+    assert checked > 30000 and differing > 0, (checked, differing)
+
+
+def _catalogue_write_sizes(dcps, speculations):
+    """``(layout, dcp, speculation, sizes)`` of every catalogue layout with a write side, at each DCP size and
+    speculative setting the spec accepts."""
+    from kvhit.layouts import catalogue
+
     for layout in catalogue().values():
         if any(g.kind.value == "chunked" for g in layout.groups):
             continue  # no write side
-        for dcp in (1, 2, 4, 8):
+        for dcp in dcps:
             for speculation in speculations:
                 try:
-                    sizes = refimpl.derive_sizes(refimpl.Layout(layout.groups, dcp, layout.prefix_match_unit),
-                                                 speculation)
+                    yield layout, dcp, speculation, refimpl.derive_sizes(
+                        refimpl.Layout(layout.groups, dcp, layout.prefix_match_unit), speculation)
                 except ValueError:
                     continue
-                top = 8 * max(sizes.alignment, sizes.scheduler_block)
-                if layout.name == "dsv4_report":
-                    top = 3 * sizes.scheduler_block
-                for n in range(1, top + 1, max(1, top // 400)):
-                    reads = [WrittenCache(refimpl.dense_groups(sizes, n, decoded)) for decoded in (False, True)]
-                    prefill, decoded = ([refimpl.hit_tokens(cache, sizes, m, rules)[0]
-                                         for m in (n, n + 1, refimpl.far_sibling(sizes, n))] for cache in reads)
-                    checked += 1
-                    if prefill != decoded:
-                        differing += 1
-                        where = (layout.name, dcp, speculation, n, prefill, decoded)
-                        assert sizes.drop and refimpl.reprefillable(sizes) > 0, where
-                        assert decoded[1] == decoded[2] == decoded[0], where
-    assert checked > 30000 and differing > 0, (checked, differing)
 
 
 def test_the_repaired_policy_resumes_where_the_declarative_read_side_does():
@@ -316,31 +323,21 @@ def test_the_repaired_policy_resumes_where_the_declarative_read_side_does():
     every speculative setting, for the resend, the next sibling and the far sibling."""
     from dataclasses import replace
 
-    from kvhit.layouts import catalogue
     from kvhit.written import WrittenCache
 
     own = refimpl.policy_rules("vllm_0_33_repaired")
     declarative = replace(own, declarative=True)
     checked = 0
-    for layout in catalogue().values():
-        if any(g.kind.value == "chunked" for g in layout.groups):
-            continue  # no write side
-        for dcp in (1, 2):
-            for speculation in WRITE_SPECULATIONS:
-                try:
-                    sizes = refimpl.derive_sizes(refimpl.Layout(layout.groups, dcp, layout.prefix_match_unit),
-                                                 speculation)
-                except ValueError:
-                    continue
-                top = 6 * max(sizes.alignment, sizes.scheduler_block)
-                for n in range(1, top + 1, max(1, top // 150)):
-                    for decoded in (False, True):
-                        cache = WrittenCache(refimpl.dense_groups(sizes, n, decoded))
-                        for m in (n, n + 1, refimpl.far_sibling(sizes, n)):
-                            where = (layout.name, dcp, speculation, n, decoded, m)
-                            assert (refimpl.hit_tokens(cache, sizes, m, own)[0]
-                                    == refimpl.hit_tokens(cache, sizes, m, declarative)[0]), where
-                            checked += 1
+    for layout, dcp, speculation, sizes in _catalogue_write_sizes((1, 2), WRITE_SPECULATIONS):
+        top = 6 * max(sizes.alignment, sizes.scheduler_block)
+        for n in range(1, top + 1, max(1, top // 150)):
+            for decoded in (False, True):
+                cache = WrittenCache(refimpl.dense_groups(sizes, n, decoded))
+                for m in (n, n + 1, refimpl.far_sibling(sizes, n)):
+                    where = (layout.name, dcp, speculation, n, decoded, m)
+                    assert (refimpl.hit_tokens(cache, sizes, m, own)[0]
+                            == refimpl.hit_tokens(cache, sizes, m, declarative)[0]), where
+                    checked += 1
     assert checked > 10000, checked
 
 
