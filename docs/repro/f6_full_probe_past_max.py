@@ -18,18 +18,15 @@ first N tokens up with KVCacheManager.get_computed_blocks. Prints, per case: N, 
 the hash boundaries of the second prompt cached for full attention and for Mamba, and vLLM's hit.
 """
 
-import types
-
 import torch
 
+import first_repeat  # docs/repro/first_repeat.py, beside this script: the manager and one served request
 import vllm
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.request import Request
 
 H = 1600        # hash unit = Mamba block = alignment (partial hash hits: h < S, DCP scales full attention)
 BUDGET = 2048   # SchedulerConfig.max_num_batched_tokens: the prefill is chunked
@@ -38,51 +35,11 @@ BUDGET = 2048   # SchedulerConfig.max_num_batched_tokens: the prefill is chunked
 def build(dcp, retention):
     full = FullAttentionSpec(block_size=1600, num_kv_heads=1, head_size=8, dtype=torch.float16)
     mamba = MambaSpec(1600, ((4,),), (torch.float32,), mamba_cache_mode="align")
-    cfg = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], prefix_cache_retention_interval=retention,
-                        kv_cache_groups=[KVCacheGroupSpec(["full.0"], full), KVCacheGroupSpec(["mamba.0"], mamba)])
-    S = 1600 * dcp  # lcm(1600 * dcp, 1600)
-    mgr = KVCacheManager(kv_cache_config=cfg, max_model_len=16000, scheduler_block_size=S, hash_block_size=H,
-                         enable_caching=True, use_eagle=False, num_hash_lookahead_tokens=0,
-                         num_prefill_lookahead=0, dcp_world_size=dcp, pcp_world_size=1)
-    assert mgr.coordinator.enable_partial_hash_hits
-    partial = mgr.coordinator.enable_partial_hash_hits
-    sched = types.SimpleNamespace(  # what Scheduler.__init__ sets (scheduler.py:295-464)
-        cache_config=types.SimpleNamespace(block_size=1600, mamba_cache_mode="align"),
-        block_size=S, hash_block_size=H, use_eagle_block_drop=False, num_hash_lookahead_tokens=0,
-        num_prefill_lookahead=0, need_mamba_block_aligned_split=True,
-        mamba_prefill_checkpoint_alignment=mamba.prefill_checkpoint_alignment,
-        mamba_has_prefill_checkpoint_blocks=mamba.num_prefill_checkpoint_blocks > 0,
-        mamba_partial_cache_hit=partial, mamba_shared_prefix_checkpoint=partial and mgr.mamba_shared_prefix_checkpoint,
-        max_num_scheduled_tokens=BUDGET, scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0))
-    return mgr, sched, get_request_block_hasher(H, sha256, 0)
-
-
-def serve(mgr, sched, hasher, prompt, rid):
-    """One request as Scheduler.schedule / update_from_output run it alone: admission lookup, prefill chunks
-    of at most BUDGET tokens clipped by the scheduler's own Mamba split, one sampled token, free."""
-    req = Request(rid, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
-    mgr.new_step_starts()
-    blocks, hit, spb = mgr.get_computed_blocks(req)
-    req.shared_prefix_boundary = spb
-    computed, first = hit, True
-    while computed < req.num_tokens:
-        n = min(req.num_tokens - computed, sched.max_num_scheduled_tokens)
-        n = Scheduler._mamba_block_aligned_split(sched, req, n, hit if first else 0, 0)
-        assert n > 0, f"scheduled 0 tokens at {computed} of {req.num_tokens}"
-        if first:
-            out = mgr.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
-            req.status = RequestStatus.RUNNING
-        else:
-            out = mgr.allocate_slots(req, n)
-        assert out is not None
-        computed += n
-        req.num_computed_tokens = computed
-        first = False
-        mgr.new_step_starts()
-    req.append_output_token_ids(0)
-    mgr.free(req)
-    mgr.new_step_starts()
-    return hit
+    mgr, sched, hasher = first_repeat.build([(full, False), (mamba, False)], S=1600 * dcp, H=H, use_eagle=False,
+                                            L=0, Lp=0, k=0, retention=retention, max_model_len=16000,
+                                            num_blocks=200, dcp=dcp, budget=BUDGET)
+    assert mgr.coordinator.enable_partial_hash_hits and sched.mamba_partial_cache_hit
+    return mgr, sched, hasher
 
 
 def held(mgr, req, group):
@@ -106,7 +63,7 @@ def main():
     for name, dcp, first_len, n in CASES:
         mgr, sched, hasher = build(dcp, None)
         prompt = list(range(1, first_len + 1))
-        assert serve(mgr, sched, hasher, prompt, "first") == 0
+        assert first_repeat.serve(mgr, sched, hasher, prompt, 0, "first") == 0
         second = Request("second", prompt[:n], SamplingParams(max_tokens=1), None, block_hasher=hasher)
         full, mamba = held(mgr, second, 0), held(mgr, second, 1)
         _, hit, _ = mgr.get_computed_blocks(second)

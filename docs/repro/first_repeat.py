@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the W1, W3 and W4 reproductions share: vLLM 0.33.0's KVCacheManager with the Scheduler attributes
+"""What the W1, W3, W4 and F6 reproductions share: vLLM 0.33.0's KVCacheManager with the Scheduler attributes
 its chunk-clipping methods read (:func:`build`), and one request served on it as Scheduler.schedule /
 update_from_output serve a request alone (:func:`serve`).
 
@@ -19,15 +19,17 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpe
 from vllm.v1.request import Request, RequestStatus
 
 
-def build(groups, *, S, H, use_eagle, L, Lp, k, retention, max_model_len, num_blocks):
-    """A real KVCacheManager plus the Scheduler attributes its chunk-clipping methods read."""
+def build(groups, *, S, H, use_eagle, L, Lp, k, retention, max_model_len, num_blocks, dcp=1, budget=10**6):
+    """A real KVCacheManager plus the Scheduler attributes its chunk-clipping methods read (``budget``:
+    SchedulerConfig.max_num_batched_tokens, the most a prefill chunk schedules in one step)."""
     cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], spec, is_eagle_group=eagle)
                                          for i, (spec, eagle) in enumerate(groups)],
                         prefix_cache_retention_interval=retention)
     mgr = KVCacheManager(kv_cache_config=cfg, max_model_len=max_model_len, scheduler_block_size=S,
                          hash_block_size=H, enable_caching=True, use_eagle=use_eagle,
-                         num_hash_lookahead_tokens=L, num_prefill_lookahead=Lp)
+                         num_hash_lookahead_tokens=L, num_prefill_lookahead=Lp, dcp_world_size=dcp,
+                         pcp_world_size=1)
     mamba = [spec for spec, _ in groups if isinstance(spec, MambaSpec)]
     partial = bool(mamba) and H < S and mgr.coordinator.enable_partial_hash_hits
     sched = types.SimpleNamespace(  # what Scheduler.__init__ sets (scheduler.py:295-464)
@@ -38,13 +40,13 @@ def build(groups, *, S, H, use_eagle, L, Lp, k, retention, max_model_len, num_bl
         mamba_prefill_checkpoint_alignment=mamba[0].prefill_checkpoint_alignment if mamba else None,
         mamba_has_prefill_checkpoint_blocks=bool(mamba) and all(m.num_prefill_checkpoint_blocks > 0 for m in mamba),
         mamba_partial_cache_hit=partial, mamba_shared_prefix_checkpoint=partial and mgr.mamba_shared_prefix_checkpoint,
-        max_num_scheduled_tokens=10**6, scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0))
+        max_num_scheduled_tokens=budget, scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0))
     return mgr, sched, get_request_block_hasher(H, sha256, L)
 
 
 def serve(mgr, sched, hasher, prompt, k, rid):
-    """One request as Scheduler.schedule / update_from_output run it alone with an unlimited token budget:
-    admission lookup, prefill chunks clipped by the scheduler's own Mamba split and prefill-lookahead
+    """One request as Scheduler.schedule / update_from_output run it alone: admission lookup, prefill chunks
+    of at most the token budget, clipped by the scheduler's own Mamba split and prefill-lookahead
     reservation (allocate_slots caches at schedule time), one sampled token (re-cached with a drafter,
     scheduler.py:2404-2415), free. Returns the admission hit."""
     req = Request(rid, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
@@ -53,7 +55,7 @@ def serve(mgr, sched, hasher, prompt, k, rid):
     req.shared_prefix_boundary = spb
     computed, first = hit, True
     while computed < req.num_tokens:
-        n = req.num_tokens - computed
+        n = min(req.num_tokens - computed, sched.max_num_scheduled_tokens)
         if sched.need_mamba_block_aligned_split:
             n = Scheduler._mamba_block_aligned_split(sched, req, n, hit if first else 0, 0)
         n = Scheduler._reserve_prefill_lookahead(sched, req, computed, n)
