@@ -7,9 +7,11 @@ repairs (every set of that size that does, so that a tie is shown rather than hi
 repair sets are one defect, whatever the invariant: one root cause, one patch. A check no set of repairs
 proves is reported as unattributed, and fails ``kvhit prove --findings``.
 
-Each defect's smallest counterexample minimises the prompt length ``N`` (a binary search of bounded
-checks, each decided under the same resource limits as the proofs, so the answer does not depend on the
-machine) on the defect's configuration whose counterexample is shortest.
+Each defect's smallest counterexample has the least prompt length ``N`` over all its configurations (a
+binary search of bounded checks per configuration, below the best found so far; ties go to the first
+label). Each bounded check is a verdict decided under the proofs' resource limits, so the least ``N`` and the
+configuration shown do not depend on the machine or on the order the work ran in; the cache state shown is
+the solver's model at that ``N``.
 """
 
 from __future__ import annotations
@@ -75,8 +77,13 @@ def _attribute_one(key):
 
 
 def _smallest_one(key):
-    invariant, config, n = _WORK[key]
-    return key, smallest_counterexample(invariant, config, n)
+    """``(N, label, invariant row, cex)`` of the least counterexample over the defect's configurations."""
+    best = None
+    for invariant, config, n, label, inv_row in sorted(_WORK[key], key=lambda c: (c[2], c[3], c[4])):
+        cex = smallest_counterexample(invariant, config, n if best is None else min(n, best[0]))
+        if cex is not None and (best is None or (cex["N"], label, inv_row) < best[:3]):
+            best = (cex["N"], label, inv_row, cex)
+    return key, best
 
 
 def _map(fn, keys, jobs):
@@ -86,19 +93,19 @@ def _map(fn, keys, jobs):
         return dict(pool.imap_unordered(fn, keys, chunksize=1))
 
 
-def smallest_counterexample(invariant, config: Config, n_tokens: int) -> dict:
-    """The counterexample of ``vllm_0_33`` with the least ``N`` (binary search below a known one)."""
-    lo, hi = 1, n_tokens
+def smallest_counterexample(invariant, config: Config, bound: int) -> dict | None:
+    """The counterexample of ``vllm_0_33`` with the least ``N``, if one has ``N <= bound`` (binary search)."""
+    lo, hi = 1, bound
     best = None
     while lo <= hi:
         mid = (lo + hi) // 2
         verdict, _, cex, _ = check(invariant, VLLM_0_33, config, max_n=mid)
         if verdict == "REFUTED":
             best, hi = cex, cex["N"] - 1
-        else:
+        elif verdict == "PROVED":
             lo = mid + 1
-    if best is None:  # cannot happen for a refuted check; guard against a solver that disagrees with itself
-        raise RuntimeError(f"{invariant.name} / {config.label}: no counterexample with N <= {n_tokens}")
+        else:
+            raise RuntimeError(f"{invariant.name} / {config.label}, N <= {mid}: {verdict}")
     return best
 
 
@@ -128,33 +135,48 @@ def attribute(verdicts, invariants: dict, configs: list, scenarios: tuple, jobs:
             unattributed.append((inv_row, label, n))
             continue
         defects.setdefault(sets, Defect(sets)).checks.append((inv_row, label, n, pinned))
-    # each defect's shortest counterexample among its configurations, minimised (a scenario pins its N)
-    firsts = {d.repairs: min(d.checks, key=lambda c: (c[2], c[0], c[1])) for d in defects.values()}
+    # each defect's least counterexample over its configurations (a scenario pins its N: shown as it is
+    # when the defect has nothing else)
     to_minimise = []
-    for sets, (inv_row, label, n, pinned) in firsts.items():
-        if not pinned:
-            _WORK[("min",) + sets] = (invariants[inv_row.partition("@")[0]], by_label[label], n)
-            to_minimise.append(("min",) + sets)
+    for d in defects.values():
+        free = [(invariants[i.partition("@")[0]], by_label[l], n, l, i) for i, l, n, pinned in d.checks if not pinned]
+        if free:
+            _WORK[("min",) + d.repairs] = free
+            to_minimise.append(("min",) + d.repairs)
     smallest = _map(_smallest_one, to_minimise, jobs)
     for d in defects.values():
-        inv_row, label, n, pinned = firsts[d.repairs]
-        cex = smallest.get(("min",) + d.repairs)
-        d.smallest = {"invariant": inv_row, "config": label, "N": n} if cex is None else _describe(inv_row, label, cex)
+        found = smallest.get(("min",) + d.repairs)
+        if found is None:
+            inv_row, label, n, _ = min(d.checks, key=lambda c: (c[2], c[1], c[0]))
+            d.smallest = {"invariant": inv_row, "config": label, "N": n}
+        else:
+            _, label, inv_row, cex = found
+            d.smallest = _describe(inv_row, label, cex)
         d.checks = [(i, l, m) for i, l, m, _ in d.checks]
     _WORK.clear()
     return sorted(defects.values(), key=lambda d: d.id), unattributed
 
 
 def _describe(inv_row: str, label: str, cex: dict) -> dict:
+    """The counterexample as the defect table shows it. ``tokens_lost_per_repeat``: on the read side what the
+    repaired policy hits beyond vLLM 0.33 on the same cache (``unsound_tokens`` instead where vLLM hits more
+    than can be served: F1 reads past the hashes); on the write side what the claim shows the later request
+    losing against a cache with every state retained (its resend or its sibling, whichever loses more)."""
     out = {"invariant": inv_row, "config": label, "N": cex["N"], "witnesses": cex["witnesses"],
            "cache": cex["cache"], "shown": cex["replayed"]}
     if "repeat_hits" in cex:
-        hits = cex["repeat_hits"]
-        out["first_repeat"] = {p: h[0] for p, h in hits.items()}
-        out["tokens_lost_per_repeat"] = hits["vllm_0_33_repaired"][0] - hits["vllm_0_33"][0]
+        shown = cex["replayed"]
+        out["first_repeat"] = {p: h[0] for p, h in cex["repeat_hits"].items()}
+        pairs = (("resume_point", "first_repeat_hit"), ("sibling_hit_dense", "sibling_hit"))
+        losses = [shown[a] - shown[b] for a, b in pairs if a in shown and b in shown]
+        out["tokens_lost_per_repeat"] = max(losses) if losses else (out["first_repeat"]["vllm_0_33_repaired"]
+                                                                   - out["first_repeat"]["vllm_0_33"])
     else:
         out["hits"] = cex["hits"]
-        out["tokens_lost_per_repeat"] = cex["hits"]["vllm_0_33_repaired"] - cex["hits"]["vllm_0_33"]
+        gain = cex["hits"]["vllm_0_33_repaired"] - cex["hits"]["vllm_0_33"]
+        out["tokens_lost_per_repeat"] = max(gain, 0)
+        if gain < 0:
+            out["unsound_tokens"] = -gain
     return out
 
 
@@ -164,8 +186,13 @@ def table(defects, unattributed) -> str:
     for d in defects:
         s = d.smallest
         hits = s.get("hits") or s.get("first_repeat") or {}
-        shown = (f"vllm_0_33 {hits.get('vllm_0_33')}, repaired {hits.get('vllm_0_33_repaired')}, "
-                 f"reference {hits.get('reference')}, lost {s.get('tokens_lost_per_repeat')}") if hits else ""
+        lost = (f"{s['unsound_tokens']} tokens unsound" if s.get("unsound_tokens")
+                else f"lost {s.get('tokens_lost_per_repeat')}")
+        if "first_repeat" in s:
+            lost += " by the resend or the sibling against every state retained"
+        what = "first repeat: " if "first_repeat" in s else ""
+        shown = (f"{what}vllm_0_33 {hits.get('vllm_0_33')}, repaired {hits.get('vllm_0_33_repaired')}, "
+                 f"reference {hits.get('reference')}; {lost}") if hits else ""
         lines.append(f"{d.id:8} {' | '.join('+'.join(x) for x in d.repairs):44} {len(d.checks):>6}  "
                      f"{s['invariant']} on {s['config']} N={s['N']}: {shown}")
         lines.append(f"{'':8} changes {'; '.join(REPAIRS[r].vllm for r in d.repairs[0])}")

@@ -133,9 +133,9 @@ class _Context:
     def serves(self, x, speculation: Speculation | None = None):
         """Whether every group serves a hit of ``x`` (the reference's notion of validity)."""
         sizes = self.sizes(speculation)
-        reach = self.P.num_hashes(sizes, self.n) * sizes.hash_block
-        extents = self.P.group_extents(self.cache, sizes, reach)
-        return self.P.serves_all(self.cache, sizes, x, extents, reach, spec_policy.REFERENCE)
+        covered = self.P.hash_reach(sizes, self.n)
+        extents = self.P.group_extents(self.cache, sizes, covered)
+        return self.P.serves_all(self.cache, sizes, x, extents, covered, spec_policy.REFERENCE)
 
     def dense(self, extent, speculation: Speculation | None = None):
         """Every group holds every block up to ``extent`` tokens, at each unit its lookups read."""

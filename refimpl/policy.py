@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: e7130d862fbf4a19f8247a4d8451447eb1d6a3168eb9f30ce46c0954ef202e76
-output-sha256: 3969600548f752b280f6799032dae7adae4947839b6b49ae3bebb473d50d3253
+spec-sha256: f6dc5fb540e48e46fcaab26b531606c88f2de9487a14a1e42bbeb24346165e7e
+output-sha256: 332519acfd103ffb07c089d4abe7834fa520520b544b4970c9020a9f5463d0c2
 """
 
 import itertools
@@ -617,11 +617,11 @@ class Rules:
             drop, as the Hybrid one does (vLLM 0.33 looks up at ``M`` and drops a whole block below it).
         drop_before_align: repair F5: a sliding-window lookup with no full window drops the EAGLE block from
             the run from block 0 before aligning it (vLLM 0.33 aligns, drops, and aligns again).
-        probe_past_max: repair F6: a full-attention lookup reads its run of cached blocks, and at hash
-            granularity the boundaries of the next block, as far as the hashes go, and caps the hit at
-            ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before it
-            (vLLM 0.33 reads only up to ``M``, and caches only a prompt's last boundary inside a block, so
-            a resend of a prompt ending inside a block misses it).
+        probe_past_max: repair F6: a full-attention lookup also reads the block that holds ``M`` and, at
+            hash granularity, the boundaries of the whole next block (within the hashes), and caps the hit
+            at ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before
+            it (vLLM 0.33 reads only up to ``M``, and caches only a prompt's last boundary inside a block, so
+            a shorter prompt that shares a cached block reaching past its ``N - 1`` misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
 

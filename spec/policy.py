@@ -80,11 +80,11 @@ class Rules:
             drop, as the Hybrid one does (vLLM 0.33 looks up at ``M`` and drops a whole block below it).
         drop_before_align: repair F5: a sliding-window lookup with no full window drops the EAGLE block from
             the run from block 0 before aligning it (vLLM 0.33 aligns, drops, and aligns again).
-        probe_past_max: repair F6: a full-attention lookup reads its run of cached blocks, and at hash
-            granularity the boundaries of the next block, as far as the hashes go, and caps the hit at
-            ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before it
-            (vLLM 0.33 reads only up to ``M``, and caches only a prompt's last boundary inside a block, so
-            a resend of a prompt ending inside a block misses it).
+        probe_past_max: repair F6: a full-attention lookup also reads the block that holds ``M`` and, at
+            hash granularity, the boundaries of the whole next block (within the hashes), and caps the hit
+            at ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before
+            it (vLLM 0.33 reads only up to ``M``, and caches only a prompt's last boundary inside a block, so
+            a shorter prompt that shares a cached block reaching past its ``N - 1`` misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
 
