@@ -61,10 +61,15 @@ def minimal_repairs(invariant, target, scenario=None) -> tuple:
     or the scenario's); ``()`` if none is."""
     names = tuple(REPAIRS)
     for size in range(1, len(names) + 1):
-        found = tuple(combo for combo in combinations(names, size)
-                      if check(invariant, repaired(combo), target, scenario)[0] == "PROVED")
+        found = []
+        for combo in combinations(names, size):
+            verdict = check(invariant, repaired(combo), target, scenario)[0]
+            if verdict not in ("PROVED", "REFUTED"):  # an undecided check must not move the attribution
+                raise RuntimeError(f"{invariant.name} / {target.label} under {'+'.join(combo)}: {verdict}")
+            if verdict == "PROVED":
+                found.append(combo)
         if found:
-            return found
+            return tuple(found)
     return ()
 
 
