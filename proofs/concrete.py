@@ -33,7 +33,7 @@ from itertools import product
 
 from kvhit.convert import to_spec
 
-from .model import SPEC, Config, ReplayContext
+from .model import Config, ReplayContext
 
 
 @dataclass(frozen=True)
@@ -67,17 +67,9 @@ class ConcreteContext(ReplayContext):
         return self._hits[key]
 
     def dense(self, extent, speculation=None):
-        """The premise "every group holds every block up to ``extent`` tokens" of :class:`ReplayContext`, read
-        with the spec's own sizes of the same layout (the same numbers as refimpl's): ``_Context.dense`` tells
-        fine Mamba and full-attention groups apart by identity with the spec's ``Kind``, which refimpl's sizes
-        do not carry, so on refimpl's it would skip the boundaries a fine group's lookups read."""
-        if not self.dense_premises:
-            return False
-        P, self.P = self.P, SPEC
-        try:
-            return super().dense(extent, speculation)
-        finally:
-            self.P = P
+        """The premise "every group holds every block up to ``extent`` tokens" of :class:`ReplayContext`, or
+        False when the caller takes such premises as false (``dense_premises``)."""
+        return self.dense_premises and super().dense(extent, speculation)
 
     def fresh(self, name: str):
         if name not in self.values:
