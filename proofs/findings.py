@@ -130,21 +130,21 @@ def attribute(verdicts, invariants: dict, configs: list, scenarios: tuple, jobs:
             target = scenario.config if scenario else by_label[r["config"]]
             key = (v.invariant, r["config"])
             _WORK[key] = (invariants[name], target, scenario)
-            refuted.append((key, r["N"], scenario is not None))
-    sets_of = _map(_attribute_one, [key for key, _, _ in refuted], jobs)
+            refuted.append((key, r["N"]))
+    sets_of = _map(_attribute_one, [key for key, _ in refuted], jobs)
     defects: dict[tuple, Defect] = {}
     unattributed = []
-    for (inv_row, label), n, pinned in refuted:
+    for (inv_row, label), n in refuted:
         sets = sets_of[(inv_row, label)]
         if not sets:
             unattributed.append((inv_row, label, n))
             continue
-        defects.setdefault(sets, Defect(sets)).checks.append((inv_row, label, n, pinned))
-    # each defect's least counterexample over its configurations (a scenario pins its N: shown as it is
-    # when the defect has nothing else)
+        defects.setdefault(sets, Defect(sets)).checks.append((inv_row, label, n))
+    # each defect's least counterexample over its configurations; a scenario (``invariant@scenario``) pins
+    # its N, and is shown as it is when the defect has nothing else
     to_minimise = []
     for d in defects.values():
-        free = [(invariants[i.partition("@")[0]], by_label[l], n, l, i) for i, l, n, pinned in d.checks if not pinned]
+        free = [(invariants[i], by_label[l], n, l, i) for i, l, n in d.checks if "@" not in i]
         if free:
             _WORK[("min",) + d.repairs] = free
             to_minimise.append(("min",) + d.repairs)
@@ -152,12 +152,11 @@ def attribute(verdicts, invariants: dict, configs: list, scenarios: tuple, jobs:
     for d in defects.values():
         found = smallest.get(("min",) + d.repairs)
         if found is None:
-            inv_row, label, n, _ = min(d.checks, key=lambda c: (c[2], c[1], c[0]))
+            inv_row, label, n = min(d.checks, key=lambda c: (c[2], c[1], c[0]))
             d.smallest = {"invariant": inv_row, "config": label, "N": n}
         else:
             _, label, inv_row, cex = found
             d.smallest = _describe(inv_row, label, cex)
-        d.checks = [(i, l, m) for i, l, m, _ in d.checks]
     _WORK.clear()
     return sorted(defects.values(), key=lambda d: d.id), unattributed
 
