@@ -230,18 +230,19 @@ def _rlimit_count() -> int:
 def solve(formulas):
     """``(result, model, reason, rlimit)`` of the conjunction of ``formulas``, by the solver portfolio;
     ``rlimit``: the resource units spent, over every try."""
+    z3 = _z3()
     reason = ""
     start = _rlimit_count()
     for arith, limit in PORTFOLIO:
-        _z3().set_param("smt.arith.solver", arith)
-        solver = _z3().Solver()
+        z3.set_param("smt.arith.solver", arith)
+        solver = z3.Solver()
         solver.set("rlimit", limit)
         solver.add(*formulas)
         result = solver.check()
-        if result != _z3().unknown:
-            return result, solver.model() if result == _z3().sat else None, "", _rlimit_count() - start
+        if result != z3.unknown:
+            return result, solver.model() if result == z3.sat else None, "", _rlimit_count() - start
         reason = solver.reason_unknown()
-    return _z3().unknown, None, reason, _rlimit_count() - start
+    return z3.unknown, None, reason, _rlimit_count() - start
 
 
 @dataclass
@@ -278,8 +279,9 @@ def brief(label: str, cex: dict) -> dict:
 def _as_python(value, model):
     if isinstance(value, Term):
         v = model.eval(value.z, model_completion=True)
-        if _z3().is_bool(v):
-            return _z3().is_true(v)
+        z3 = _z3()
+        if z3.is_bool(v):
+            return z3.is_true(v)
         return v.as_long()
     if isinstance(value, tuple):
         return tuple(_as_python(v, model) for v in value)
@@ -370,13 +372,14 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     ``max_n`` bounds the prompt length (to search for the smallest counterexample)."""
     if scenario is not None and scenario.concrete:
         return check_concrete(invariant, rules, scenario)
+    z3 = _z3()
     start = time.perf_counter()
     with lowering():
         # A scenario's cache holds every block up to the hashes (one run) and no lookup reads past them.
         runs = 1 if scenario is not None else runs_needed(invariant, rules, config)
         ctx = SymbolicContext(config, rules, runs)
         assumption, claim = invariant.claim(ctx)
-        formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), _z3().Not(_zv(claim))]
+        formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
         if max_n is not None:
             formulas.append(ctx.n.z <= max_n)
         if scenario is not None:
@@ -387,9 +390,9 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
                 formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
         result, model, reason, spent = solve(formulas)
     seconds = time.perf_counter() - start
-    if result == _z3().unsat:
+    if result == z3.unsat:
         return "PROVED", seconds, None, spent
-    if result == _z3().unknown:
+    if result == z3.unknown:
         return "UNKNOWN", seconds, {"reason": reason, "rlimit": spent}, spent
     values = {name: _as_python(term, model) for name, term in ctx.symbols.items()}
     symbolic_shown = {name: _as_python(v, model) for name, v in ctx.shown.items()}

@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: f6dc5fb540e48e46fcaab26b531606c88f2de9487a14a1e42bbeb24346165e7e
-output-sha256: 332519acfd103ffb07c089d4abe7834fa520520b544b4970c9020a9f5463d0c2
+spec-sha256: ef00ee3952b34c078fb9e9c6b09e6bb20a8d72f3d622dd01ea09311f5a4329fc
+output-sha256: 16056d55fd6bef4bc5f98780aa78d42429176683cdd70323b762e3fb02aa6a0e
 """
 
 import itertools
@@ -1203,7 +1203,8 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     ``make prove`` proves valid, aligned, capped and the longest valid (so equal to it on every cache), it
     is the same number at the cost of one candidate scan instead of vLLM's unrolled loop
     (``tests/properties/test_write_side.py`` compares the two on concrete prompts)."""
-    rules = replace(rules, declarative=True)
+    if not rules.declarative:
+        rules = replace(rules, declarative=True)
     groups = dense_groups(sizes, n_tokens)
     dense = written_cache(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0], hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0])

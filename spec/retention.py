@@ -207,7 +207,8 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     ``make prove`` proves valid, aligned, capped and the longest valid (so equal to it on every cache), it
     is the same number at the cost of one candidate scan instead of vLLM's unrolled loop
     (``tests/properties/test_write_side.py`` compares the two on concrete prompts)."""
-    rules = replace(rules, declarative=True)
+    if not rules.declarative:
+        rules = replace(rules, declarative=True)
     groups = dense_groups(sizes, n_tokens)
     dense = written(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0],
