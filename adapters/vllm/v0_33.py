@@ -12,7 +12,10 @@ Seams (each restored by :func:`uninstall`):
 * ``vllm.v1.core.kv_cache_manager.get_kv_cache_coordinator``, the name ``KVCacheManager.__init__`` calls:
   remembers the coordinator it builds as the scheduler's and maps its layout to kvhit's (once, logged).
   Coordinators built anywhere else (the CPU coordinator of ``SimpleCPUOffload``, UMBP's scheduler copy)
-  are KV connectors' own copies of the policy and stay stock.
+  are KV connectors' own copies of the policy and stay stock. A layout is taken whole or not at all: one
+  whose write side the spec does not model is left to vLLM entirely, reported once as unmodelled.
+* ``Scheduler.__init__``: tells the coordinator it builds whether the scheduler has a KV connector or
+  auxiliary outputs (a lookup capped below ``N - 1``), which leave the whole layout to vLLM too.
 * ``UnitaryKVCacheCoordinator.find_longest_cache_hit`` and ``HybridKVCacheCoordinator.find_longest_cache_hit``:
   the hit of ``KVCacheManager.get_computed_blocks``.
 * ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: the per-group hits of
@@ -150,8 +153,10 @@ class CoordinatorModel:
         members: per spec group (``sizes.groups`` order), the vLLM KV-cache group ids it covers.
         spec_group_of: per vLLM KV-cache group id, the index of its spec group.
         label: a short description for logs and metric labels.
-        write: the reference write side for this layout, or None when it is left to vLLM
-            (``write_note`` says why).
+        write: the reference write side for this layout, or None when the spec does not model it
+            (``write_note`` says why). Such a model is never installed: the scheduler leaves the whole
+            layout to vLLM, read side and write side (:func:`get_kv_cache_coordinator`); it is built only to
+            check its read side's parts (``tests/adapter/test_pool_cache.py``).
         walked: the spec groups whose leading run a lookup's walks of vLLM's full-attention groups give,
             with those groups' indices in vLLM's lookup order (:func:`walk_sources`).
         plans: per vLLM spec group in lookup order, what looking it up needs (:func:`group_plans`).
@@ -245,7 +250,8 @@ class WriteModel:
 
 def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
                 label: str) -> tuple[WriteModel | None, str]:
-    """The reference write side for a modelled coordinator, or ``(None, why it is left to vLLM)``."""
+    """The reference write side for a coordinator whose read side the spec models, or ``(None, why the
+    spec does not model it)``: such a layout is left wholly to vLLM (:func:`get_kv_cache_coordinator`)."""
     retention = coordinator.retention_interval
     try:
         check_retention(sizes, retention)
@@ -582,8 +588,11 @@ def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_h
     (``longest``: the shared prefix, at least the hit).
 
     Raises:
-        _Stock: the cap is not ``N - 1`` for a request with these block hashes (a KV connector's cap;
-            the spec models only ``N - 1``): the hashes of ``N`` tokens would not reach as far as these.
+        _Stock: the cap is not ``N - 1`` for a request with these block hashes (the spec models only
+            ``N - 1``): the hashes of ``N`` tokens would not reach as far as these. vLLM's scheduler caps
+            below ``N - 1`` only with auxiliary outputs, which leave the whole layout stock
+            (:func:`scheduler_stock_reason`); so this is a caller of a ``KVCacheManager`` built outside a
+            scheduler (vLLM's unit tests), answered by vLLM's own code for that lookup.
     """
     hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
     if reach != len(block_hashes) * model.sizes.hash_block:
@@ -893,6 +902,7 @@ _ORIGINAL_GET_COORDINATOR = _manager_module.get_kv_cache_coordinator
 _ORIGINAL_UNITARY_FIND = UnitaryKVCacheCoordinator.__dict__["find_longest_cache_hit"]
 _ORIGINAL_HYBRID_FIND = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit"]
 _ORIGINAL_HYBRID_PER_GROUP = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit_per_group"]
+_ORIGINAL_SCHEDULER_INIT = _scheduler_module.Scheduler.__dict__["__init__"]
 
 _mode = "off"
 # The scheduler's coordinators (built by KVCacheManager while kvhit was installed) -> their model, or
@@ -921,12 +931,25 @@ def _fall_back(model: CoordinatorModel, error: Exception) -> None:
 
 
 def get_kv_cache_coordinator(*args, **kwargs) -> KVCacheCoordinator:
-    """vLLM's ``get_kv_cache_coordinator``, remembering the coordinator as the scheduler's."""
+    """vLLM's ``get_kv_cache_coordinator``, remembering the coordinator as the scheduler's.
+
+    kvhit takes a layout whole or not at all: a layout whose write side the spec does not model
+    (``CoordinatorModel.write_note``), or one built by a scheduler with a KV connector or auxiliary outputs
+    (:func:`scheduler_stock_reason`), is left to vLLM in every mode, read side and write side, and reported
+    as an unmodelled layout: the reference read side on vLLM's write side would not give what the reference
+    promises (the first repeat hits what the second does), and shadow's counters say what enforce does.
+    """
     coordinator = _ORIGINAL_GET_COORDINATOR(*args, **kwargs)
     if not isinstance(coordinator, (UnitaryKVCacheCoordinator, HybridKVCacheCoordinator)):
         return coordinator  # no prefix caching: nothing to look up
     try:
         model = model_coordinator(coordinator)
+        if model.write is None:
+            raise Unmodelled(f"{model.label}: the spec does not model its write side ({model.write_note}); "
+                             "kvhit does not enforce a read side without its write side")
+        scheduler_reason = _scheduler_stock.get()
+        if scheduler_reason is not None:
+            raise Unmodelled(f"{model.label}: {scheduler_reason}")
     except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
         why = str(e) if isinstance(e, Unmodelled) else (
             f"kvhit could not read the layout ({type(e).__name__}: {e}); this is kvhit's bug, please report it")
@@ -937,11 +960,55 @@ def get_kv_cache_coordinator(*args, **kwargs) -> KVCacheCoordinator:
         return coordinator
     _models[coordinator] = model
     sizes = model.sizes
-    log_once(logging.INFO, "kvhit: layout %s (S=%d, h=%d, A=%d) is modelled; mode %s; write side: %s",
-             model.label, sizes.scheduler_block, sizes.hash_block, sizes.alignment, _mode,
-             "reference" if model.write is not None else f"vLLM's ({model.write_note})")
+    log_once(logging.INFO, "kvhit: layout %s (S=%d, h=%d, A=%d) is modelled; mode %s; write side: reference",
+             model.label, sizes.scheduler_block, sizes.hash_block, sizes.alignment, _mode)
     write_status(model)
     return coordinator
+
+
+# Set while Scheduler.__init__ runs (and so while it builds its KVCacheManager): why that scheduler's layout
+# is left to vLLM whatever it is (None: nothing in its config says so). Unset outside a scheduler: a
+# KVCacheManager built on its own (tests, vLLM's unit tests) has no connector the adapter could know of.
+_scheduler_stock: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvhit_scheduler_stock",
+                                                                              default=None)
+
+
+def scheduler_stock_reason(vllm_config) -> str | None:
+    """Why a scheduler built from ``vllm_config`` leaves its whole layout to vLLM, or None.
+
+    * A KV connector (``kv_transfer_config``; the scheduler builds it before its KV cache manager): the
+      tokens it loads past the local hit, and ``get_computed_blocks_for_connector``'s per-group lookup, are
+      not modelled.
+    * Auxiliary outputs (``aux_output_config.enabled``): ``AuxOutputSchedulerConnector.max_cache_hit``
+      caps lookups below ``N - 1``; the spec models only ``N - 1``.
+
+    A config it cannot read is a reason too (never less than stock). Never raises.
+    """
+    try:
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
+                    "per-group local lookup are not modelled")
+        aux = getattr(vllm_config, "aux_output_config", None)
+        if aux is not None and aux.enabled:
+            return ("the scheduler has auxiliary outputs (aux_output_config): their connector caps lookups "
+                    "below N - 1 (max_cache_hit); the spec models only N - 1")
+    except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
+        return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
+    return None
+
+
+def scheduler_init(self, *args, **kwargs) -> None:
+    """``Scheduler.__init__``, with :func:`scheduler_stock_reason` of its config known to
+    :func:`get_kv_cache_coordinator` while it builds the KV cache manager."""
+    vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
+    token = _scheduler_stock.set(scheduler_stock_reason(vllm_config))
+    try:
+        _ORIGINAL_SCHEDULER_INIT(self, *args, **kwargs)
+    finally:
+        _scheduler_stock.reset(token)
+
+
+scheduler_init.__wrapped__ = _ORIGINAL_SCHEDULER_INIT  # inspect.signature shows vLLM's
 
 
 STATUS_FILE_ENV = "KVHIT_STATUS_FILE"
@@ -952,7 +1019,8 @@ def write_status(model: CoordinatorModel | None, unmodelled: str | None = None) 
 
     For tools outside the engine-core process (``kvhit status``; the end-to-end test predicts hits from it).
     The layout and speculation are the arguments of ``refimpl.Layout`` / ``refimpl.Speculation``;
-    ``unmodelled`` is the reason a layout is left to vLLM, ``write_side`` whose write side it has; ``kvhit``
+    ``unmodelled`` is the reason a layout is left to vLLM (read side and write side), ``write_side`` whose
+    write side a modelled layout has (always the reference's); ``kvhit``
     and ``kvhit_path`` the version and folder of the kvhit this process imported; and
     ``prometheus_multiproc_dir`` whether vLLM's ``/metrics`` can show this process's counters;
     ``count_gains`` whether enforce counts what it gains (``KVHIT_COUNT_GAINS``). Written atomically; never
@@ -982,7 +1050,7 @@ def write_status(model: CoordinatorModel | None, unmodelled: str | None = None) 
                          "multi_module_mtp": model.speculation.multi_module_mtp},
             sizes={"scheduler_block": model.sizes.scheduler_block, "hash_block": model.sizes.hash_block,
                    "alignment": model.sizes.alignment},
-            write_side="reference" if model.write is not None else f"vLLM's ({model.write_note})")
+            write_side="reference")  # a layout whose write side the spec does not model is unmodelled
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -1173,6 +1241,7 @@ def mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_
 
 SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
     (_manager_module, "get_kv_cache_coordinator", _ORIGINAL_GET_COORDINATOR, get_kv_cache_coordinator),
+    (_scheduler_module.Scheduler, "__init__", _ORIGINAL_SCHEDULER_INIT, scheduler_init),
     (UnitaryKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_UNITARY_FIND,
      unitary_find_longest_cache_hit),
     (HybridKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_HYBRID_FIND,

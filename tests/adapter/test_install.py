@@ -33,6 +33,7 @@ def test_seams_are_the_narrow_lookup_points_of_vllm_0_33():
 
     assert {(getattr(owner, "__name__"), name) for owner, name, _, _ in v0_33.SEAMS} == {
         (manager.__name__, "get_kv_cache_coordinator"),
+        ("Scheduler", "__init__"),  # whether the scheduler's config leaves its layout stock
         ("UnitaryKVCacheCoordinator", "find_longest_cache_hit"),
         ("HybridKVCacheCoordinator", "find_longest_cache_hit"),
         ("HybridKVCacheCoordinator", "find_longest_cache_hit_per_group"),
