@@ -24,7 +24,9 @@ the second is the first repeat.
 Writes one JSON document: per scenario the KV-cache groups the planner made, the sizes the scheduler
 resolved, each served request's ``num_cached_tokens`` (``EngineCoreOutput.prefill_stats``, what the API
 reports as ``cached_tokens``) with the hash boundaries the block pool held for its prompt just before it
-was added, and a trace of every ``SchedulerOutput`` and ``EngineCoreOutput``.
+was added, a trace of every ``SchedulerOutput`` and ``EngineCoreOutput``, and with ``KVHIT_STATUS_FILE`` set
+the status file kvhit wrote when the scenario's scheduler was built (``kvhit_status``); and kvhit's counters
+in the process (``kvhit_counters``).
 """
 
 from __future__ import annotations
@@ -151,6 +153,23 @@ def nemotron_h_mtp_layers(vllm_config, model: str = "nemotron_h_mtp", drafts: in
     return layers
 
 
+def nemotron_h_mtp_swa_layers(vllm_config) -> dict:
+    """:func:`nemotron_h_mtp_layers` and one sliding-window layer of a tenth of the block (window 512), with
+    ten times the KV heads so that its page is the attention page: the catalogue's ``three_kind`` (full
+    attention 1600, Mamba 1600, sliding window 160), read at the window's block, 160 tokens."""
+    import torch
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    c = MODELS["nemotron_h_mtp"]
+    layers = nemotron_h_mtp_layers(vllm_config)
+    block = vllm_config.cache_config.block_size
+    layers["model.layers.swa0.self_attn.attn"] = SlidingWindowSpec(
+        block_size=block // 10, num_kv_heads=10 * c["num_key_value_heads"], head_size=c["head_dim"],
+        dtype=torch.float32, sliding_window=512)
+    return layers
+
+
 # name -> (target, speculative config (draft paths relative to the models folder; None for none), layer specs,
 #          block size, prompts served in order: a length (one prompt per length: equal lengths repeat it), or
 #          ``(length, shared, variant)``, a prompt whose first ``shared`` tokens are the scenario's system prompt)
@@ -204,6 +223,35 @@ for _name, (_spec, _layers, _prompts) in _SHARED.items():
         SCENARIOS[f"{_name}-{_suffix}"] = (_target, _spec, _layers, 1600 if _target != "llama" else 16,
                                            _prompts)
         RETENTION[f"{_name}-{_suffix}"] = _retention
+# Layouts whose write side the spec does not model, which kvhit leaves wholly to vLLM: Mamba read at hash
+# granularity, by prefix_match_unit 160 (the catalogue's qwen3next_pmu160) or by a sliding window of block 160
+# (three_kind). A prompt, its resend twice, a longer sibling (the prompt and 1090 tokens more), two prompts
+# sharing its first 6000 tokens, and the prompt once more.
+_UNMODELLED_STREAM = ((11910, 11910, 0),) * 3 + ((13000, 11910, 1), (11910, 6000, 2), (11910, 6000, 3),
+                                                  (11910, 11910, 0))
+_MTP2_DROP = {"method": "mtp", "num_speculative_tokens": 2, "disable_lookahead_block_hashes": True}
+SCENARIOS["pmu160-mtp2-drop"] = ("nemotron_h_mtp", _MTP2_DROP, nemotron_h_mtp_layers, 1600, _UNMODELLED_STREAM)
+SCENARIOS["three-kind-mtp2-drop"] = ("nemotron_h_mtp", _MTP2_DROP, nemotron_h_mtp_swa_layers, 1600,
+                                     _UNMODELLED_STREAM)
+PREFIX_MATCH_UNIT = {"pmu160-mtp2-drop": 160}  # scenario -> CacheConfig.prefix_match_unit (None when absent)
+# A modelled layout (eagle-drop's, where enforce and stock differ) under a scheduler with a KV connector, which
+# leaves it wholly to vLLM too: vLLM's ExampleConnector, reading a shared folder that holds nothing, so it
+# never adds a token (vLLM builds a KV connector with a hybrid layout only for connectors that support one).
+# Auxiliary outputs, the other such setting, need an MoE model and model runner V2: not built here.
+SCENARIOS["connector-eagle-drop"] = SCENARIOS["eagle-drop"]
+
+
+def _extra_config(name: str, models_dir: str) -> dict:
+    """The scenario's ``VllmConfig`` arguments besides the model, cache, parallel, scheduler and speculative
+    configs."""
+    if name == "connector-eagle-drop":
+        from vllm.config import KVTransferConfig
+
+        storage = os.path.join(models_dir, "kv_connector_storage")
+        os.makedirs(storage, exist_ok=True)
+        return {"kv_transfer_config": KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                                       kv_connector_extra_config={"shared_storage_path": storage})}
+    return {}
 MAX_MODEL_LEN = 16384
 MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -251,7 +299,7 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
-                                 prefix_match_unit=prefix_match_unit,
+                                 prefix_match_unit=PREFIX_MATCH_UNIT.get(name, prefix_match_unit),
                                  prefix_cache_retention_interval=RETENTION.get(name, 0),
                                  mamba_cache_mode="align" if model_config.is_hybrid else "none"),
         parallel_config=parallel_config,
@@ -259,6 +307,7 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
         speculative_config=None if speculative is None else SpeculativeConfig(
             target_model_config=model_config, target_parallel_config=parallel_config, **speculative),
+        **_extra_config(name, models_dir),
     )
 
     # EngineCore._initialize_kv_caches, with the layers' specs, the layout list and a memory budget in place of
@@ -379,7 +428,14 @@ def serve(scheduler, block_hasher, request_id: str, tokens: list[int], trace: li
 
 
 def run_scenario(name: str, models_dir: str) -> dict:
+    status_file = os.environ.get("KVHIT_STATUS_FILE")
+    if status_file and os.path.exists(status_file):
+        os.remove(status_file)  # so that the one read below is this scenario's
     scheduler, block_hasher = build_scheduler(name, models_dir)
+    status = None
+    if status_file and os.path.exists(status_file):
+        with open(status_file) as f:
+            status = json.load(f)
     spec = scheduler.vllm_config.speculative_config
     trace: list = []
     served = []
@@ -401,6 +457,7 @@ def run_scenario(name: str, models_dir: str) -> dict:
                       "multi_module_mtp": bool(spec and spec.use_multi_module_mtp())},
         "served": served,
         "trace": trace,
+        **({"kvhit_status": status} if status is not None else {}),
     }
 
 
@@ -439,6 +496,13 @@ def main(argv=None) -> None:
         import kvhit.adapters.vllm as kvhit_vllm
 
         result["kvhit_mode"] = kvhit_vllm.current_mode()
+        if result["kvhit_mode"] != "off":
+            from prometheus_client import REGISTRY
+
+            result["kvhit_counters"] = {  # kvhit's counters in this process, summed over their labels
+                name: sum(sample.value for metric in REGISTRY.collect() for sample in metric.samples
+                          if sample.name == f"{name}_total")
+                for name in ("kvhit_unmodelled_layouts", "vllm:kvhit_lookups", "kvhit_enforce_fallbacks")}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

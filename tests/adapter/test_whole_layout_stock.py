@@ -1,0 +1,256 @@
+"""A layout kvhit cannot enforce whole is left wholly to vLLM: read side and write side, in every mode.
+
+Enforce promises that the first repeat of a prompt hits what the second does, and never less than stock; the
+reference read side on vLLM's write side promises neither. So where the spec does not model a layout's
+write side (a Mamba group read at hash granularity, backend-internal Mamba prefill checkpoints, chunked local
+attention, a retention interval its write side rejects), or the scheduler's config adds what the spec does
+not model (a KV connector; auxiliary outputs, which cap lookups below ``N - 1``), the coordinator is
+unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``, and reported in the status file.
+Shadow does the same, so that its counters say what enforce does.
+
+Through vLLM's real ``Scheduler`` (``tests/adapter/scheduler_run.py``, one process per mode) for the catalogue's
+``qwen3next_pmu160`` and ``three_kind`` with two MTP modules in drop mode, and a Llama + EAGLE with a KV
+connector; then one test per reason on vLLM's ``KVCacheManager``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+
+import pytest
+from prometheus_client import REGISTRY
+
+import kvhit.adapters.vllm as kvhit_vllm
+import kvhit.refimpl as R
+import tests.conformance.vllm_harness as vllm_harness
+from kvhit.adapters.vllm import v0_33
+from tests.adapter import scheduler_run
+from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
+from tests.conformance.vllm_harness import VllmHarness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HASH_GRANULAR = "a Mamba group read at hash granularity"
+# scenario -> (what the unmodelled reason names, the catalogue layout it is)
+SCENARIOS = {
+    "pmu160-mtp2-drop": (HASH_GRANULAR, "qwen3next_pmu160"),
+    "three-kind-mtp2-drop": (HASH_GRANULAR, "three_kind"),
+    "connector-eagle-drop": ("KV connector", "llama_eagle"),
+}
+MODES = ("stock", "shadow", "enforce")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{mode: result}`` of the scenarios above, each mode in a process of its own, started together."""
+    work = tmp_path_factory.mktemp("whole_layout_stock")
+    scheduler_run.write_models(str(work / "models"))
+    started = {}
+    for mode in MODES:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
+        env.update(VLLM_PLUGINS="kvhit", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        extra = []
+        if mode != "stock":
+            env.update(KVHIT_MODE=mode, KVHIT_STATUS_FILE=str(work / f"status-{mode}.json"))
+            extra = ["--load-plugins"]
+        out = work / f"{mode}.json"
+        scenarios = [arg for name in SCENARIOS for arg in ("--scenario", name)]
+        started[mode] = (out, subprocess.Popen(
+            [sys.executable, "-m", "tests.adapter.scheduler_run", str(out), str(work / "models"), *extra,
+             *scenarios], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = {}
+    for mode, (out, process) in started.items():
+        log, _ = process.communicate(timeout=900)
+        if process.returncode != 0:
+            pytest.fail(f"scheduler run {mode!r} exited {process.returncode}:\n{log[-6000:]}")
+        with open(out) as f:
+            results[mode] = json.load(f)
+    return results
+
+
+def _hits(result, scenario):
+    return [served["num_cached_tokens"] for served in result["scenarios"][scenario]["served"]]
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+def test_a_layout_kvhit_cannot_enforce_whole_is_served_exactly_as_stock(runs, scenario, mode):
+    """Every ``SchedulerOutput`` (tokens, chunks, block ids) and ``EngineCoreOutput`` of the stream, so
+    every request's hit (a resend, a second resend, a longer sibling, prompts sharing a prefix, the
+    prompt again), is stock vLLM's."""
+    stock, run = (runs[name]["scenarios"][scenario] for name in ("stock", mode))
+    assert _hits(runs[mode], scenario) == _hits(runs["stock"], scenario)
+    run = {k: v for k, v in run.items() if k != "kvhit_status"}
+    assert json.dumps(run, sort_keys=True) == json.dumps(stock, sort_keys=True)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+def test_the_layout_is_reported_unmodelled_with_the_reason(runs, scenario, mode):
+    """The status file says ``modelled: false`` with the reason, the layout is counted once, and kvhit
+    computed no lookup (shadow compares none: enforce would change none)."""
+    why, _ = SCENARIOS[scenario]
+    status = runs[mode]["scenarios"][scenario]["kvhit_status"]
+    assert (status["mode"], status["modelled"]) == (mode, False) and why in status["unmodelled"], status
+    counters = runs[mode]["kvhit_counters"]
+    assert counters == {"kvhit_unmodelled_layouts": len(SCENARIOS), "vllm:kvhit_lookups": 0,
+                        "kvhit_enforce_fallbacks": 0}, counters
+
+
+def test_the_scheduler_layouts_are_the_catalogues(runs):
+    """The planner built the catalogue's layouts (its groups merged into spec groups of the same kinds,
+    blocks and window), with the hash unit that makes their Mamba groups hash-granular."""
+    for scenario in ("pmu160-mtp2-drop", "three-kind-mtp2-drop"):
+        run = runs["stock"]["scenarios"][scenario]
+        want = R.derive_sizes(refimpl_layout(SCENARIOS[scenario][1]), speculation("drop", 2, True))
+        assert (run["scheduler"]["block_size"], run["scheduler"]["hash_block_size"]) == (
+            want.scheduler_block, want.hash_block), scenario
+        kinds = {(g["spec"], g["block_size"]) for g in run["kv_cache_groups"]}
+        spec_of = {"full": "FullAttentionSpec", "mamba": "MambaSpec", "swa": "SlidingWindowSpec"}
+        assert kinds == {(spec_of[g.kind.value], g.block) for g in want.groups}, scenario
+
+
+def test_enforce_gives_the_connector_layout_stocks_hit_where_it_would_change_it(runs):
+    """The comparison can fail: without a KV connector, enforce changes this layout's hit (F2: 1008 where
+    stock vLLM gets 992); with one, the layout is vLLM's."""
+    assert _hits(runs["enforce"], "connector-eagle-drop") == _hits(runs["stock"], "connector-eagle-drop") == [
+        0, 992, 992]
+    assert R.hit(R.Layout((R.Group("full", 16, eagle=True),)), R.Speculation("drop", 1), 1024, [1024],
+                 "reference") == 1008
+
+
+def test_three_kind_first_repeat_is_stocks_until_the_spec_models_its_write_side(runs):
+    """The case issue 17 reports (full attention 1600 with the MTP layers, Mamba 1600, a 160-token sliding
+    window; drop; R = 0; N = 11910; a token budget of 8192): the first repeat hits 9600 and the second
+    11680, under enforce as under stock. The reference would hit 11680 from the first repeat on only with
+    its write side, which the spec does not model for a Mamba group read at hash granularity."""
+    for mode in MODES:
+        assert _hits(runs[mode], "three-kind-mtp2-drop") == [0, 9600, 11680, 11680, 0, 0, 11680], mode
+        assert _hits(runs[mode], "pmu160-mtp2-drop") == [0, 11680, 11680, 11680, 0, 3200, 11680], mode
+
+
+# --------------------------------------------------------------------------------------------------
+# One test per reason, on vLLM's KVCacheManager
+# --------------------------------------------------------------------------------------------------
+
+def _unmodelled() -> float:
+    return REGISTRY.get_sample_value("kvhit_unmodelled_layouts_total") or 0
+
+
+def _stream(harness, n):
+    """A prompt served, its resend, a longer sibling, a prompt sharing its first half, an eviction and the
+    prompt again: every hit, chunk list and the cache left."""
+    rng = random.Random(n)
+    base = [rng.randrange(1, 50000) for _ in range(n)]
+    longer = base + [rng.randrange(1, 50000) for _ in range(n // 10)]
+    sibling = base[: n // 2] + [rng.randrange(1, 50000) for _ in range(n - n // 2)]
+    out = []
+    for tokens in (base, base, longer, sibling, sibling):
+        served = harness.serve(tokens)
+        out.append((served["hit"], served["chunks"]))
+    harness.evict(7)
+    out.append(harness.probe(base)["hit"])
+    return out, harness.retained(base), harness.retained(sibling)
+
+
+def _left_stock(monkeypatch, tmp_path, kvhit_log, make_harness, n, why):
+    """Under enforce the harness's layout is unmodelled for ``why`` (logged once, counted once, in the
+    status file) and serves the stream exactly as stock vLLM does."""
+    stock = _stream(make_harness(), n)
+    path = tmp_path / "status.json"
+    monkeypatch.setenv(v0_33.STATUS_FILE_ENV, str(path))
+    assert kvhit_vllm.install("enforce")
+    before = _unmodelled()
+    harness = make_harness()
+    assert v0_33._models[harness.manager.coordinator] is None
+    assert _unmodelled() == before + 1
+    status = json.loads(path.read_text())
+    assert status["modelled"] is False and why in status["unmodelled"], status
+    lines = [r.getMessage() for r in kvhit_log.records if "not modelled by the spec" in r.getMessage()]
+    assert len(lines) == 1 and why in lines[0], lines
+    assert _stream(harness, n) == stock
+
+
+def _catalogue_harness(name, mode, retention=0, n=11910):
+    return lambda: VllmHarness(harness_layout(name), mode, retention_interval=retention, max_model_len=n + 4000)
+
+
+@pytest.mark.parametrize("name, mode", [("qwen3next_pmu160", "drop"), ("qwen3next_pmu160", "lookahead"),
+                                        ("three_kind", "drop"), ("three_kind", "none")])
+def test_a_mamba_group_read_at_hash_granularity_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log,
+                                                                        name, mode):
+    _left_stock(monkeypatch, tmp_path, kvhit_log, _catalogue_harness(name, mode), 11910, HASH_GRANULAR)
+
+
+def test_chunked_local_attention_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
+    _left_stock(monkeypatch, tmp_path, kvhit_log, _catalogue_harness("chunked64", "lookahead", n=1000), 1000,
+                "chunked local attention")
+
+
+def test_backend_internal_mamba_checkpoints_leave_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
+    """``MambaSpec.num_prefill_checkpoint_blocks > 0``: the backend saves the prompt's Mamba checkpoint
+    inside a forward pass (vLLM's ``MambaMixer2`` layers always declare one; Qwen3-Next's GDN layers with
+    FlashInfer's GDN prefill), which the spec does not model."""
+    original = vllm_harness.build_kv_cache_spec
+
+    def with_checkpoint_blocks(group, **kwargs):
+        spec = original(group, **kwargs)
+        return dataclasses.replace(spec, num_prefill_checkpoint_blocks=1) if group["kind"] == "mamba" else spec
+
+    monkeypatch.setattr(vllm_harness, "build_kv_cache_spec", with_checkpoint_blocks)
+    _left_stock(monkeypatch, tmp_path, kvhit_log, _catalogue_harness("qwen3next", "drop"), 11910,
+                "backend-internal Mamba prefill checkpoints")
+
+
+def test_a_retention_interval_the_write_side_rejects_has_no_write_model():
+    """vLLM 0.33 validates the interval as the spec does (a multiple of the scheduler block, other than 0
+    only with a sliding-window or Mamba group), so only chunked local attention reaches this reason; an
+    interval the spec rejects on a coordinator vLLM did not validate is refused all the same."""
+    sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop"))
+    coordinator = types.SimpleNamespace(retention_interval=sizes.scheduler_block + 1,
+                                        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[]))
+    write, why = v0_33._write_side(coordinator, sizes, "qwen3next")
+    assert write is None and "rejects" in why and "retention interval" in why, why
+
+
+def test_a_scheduler_with_a_kv_connector_or_auxiliary_outputs_leaves_its_layout_stock():
+    """What ``Scheduler.__init__`` tells the coordinator it builds (the real scheduler with a KV connector
+    is in the tests above; auxiliary outputs need an MoE model and model runner V2, so a stand-in config)."""
+    aux_off, aux_on = (types.SimpleNamespace(enabled=enabled) for enabled in (False, True))
+    plain = types.SimpleNamespace(kv_transfer_config=None, aux_output_config=aux_off)
+    assert v0_33.scheduler_stock_reason(plain) is None
+    assert "KV connector" in v0_33.scheduler_stock_reason(
+        types.SimpleNamespace(kv_transfer_config=object(), aux_output_config=aux_off))
+    assert "below N - 1" in v0_33.scheduler_stock_reason(
+        types.SimpleNamespace(kv_transfer_config=None, aux_output_config=aux_on))
+
+    class Unreadable:
+        kv_transfer_config = None
+
+        @property
+        def aux_output_config(self):
+            raise RuntimeError("no such field")
+
+    assert "could not read" in v0_33.scheduler_stock_reason(Unreadable())  # never less than stock
+
+
+def test_a_kv_cache_manager_outside_a_scheduler_keeps_its_layout_enforced():
+    """Only a scheduler's config can leave a layout stock: vLLM's KVCacheManager built on its own (vLLM's
+    unit tests, the conformance harness) knows no connector, and its layout is enforced as modelled; a
+    lookup it caps below ``N - 1`` is answered by vLLM's own code for that lookup."""
+    assert kvhit_vllm.install("enforce")
+    harness = _catalogue_harness("qwen3next", "drop")()
+    assert v0_33._models[harness.manager.coordinator] is not None
+    tokens = [random.Random(0).randrange(1, 50000) for _ in range(11910)]
+    harness.serve(tokens)
+    request = harness._new_request(tokens)
+    coordinator = harness.manager.coordinator
+    capped = coordinator.find_longest_cache_hit(request.block_hashes, 5000)
+    stock = v0_33._ORIGINAL_HYBRID_FIND(coordinator, request.block_hashes, 5000)
+    assert capped[1] == stock[1] and capped[2] == stock[2]
