@@ -253,6 +253,10 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
     """The reference write side for a coordinator whose read side the spec models, or ``(None, why the
     spec does not model it)``: such a layout is left wholly to vLLM (:func:`get_kv_cache_coordinator`)."""
     retention = coordinator.retention_interval
+    if retention is None and not any(sg.kind in (Kind.SWA, Kind.MAMBA) for sg in sizes.groups):
+        # vLLM accepts dense retention on any layout (KVCacheConfig's default; vLLM's unit tests build it)
+        # and only sliding-window and Mamba groups read the interval: without one, None keeps what 0 keeps.
+        retention = 0
     try:
         check_retention(sizes, retention)
     except ValueError as e:

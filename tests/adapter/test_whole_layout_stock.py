@@ -219,6 +219,19 @@ def test_a_retention_interval_the_write_side_rejects_has_no_write_model():
     assert write is None and "rejects" in why and "retention interval" in why, why
 
 
+def test_dense_retention_on_a_layout_without_sliding_window_or_mamba_is_modelled():
+    """vLLM accepts ``prefix_cache_retention_interval=None`` on any layout (``KVCacheConfig``'s default) and
+    only sliding-window and Mamba groups read it: on full attention alone the write side is the one of
+    interval 0, and the layout stays enforced (the F2 block is kept)."""
+    assert kvhit_vllm.install("enforce")
+    harness = VllmHarness(harness_layout("full16"), "drop", retention_interval=None, max_model_len=4096)
+    model = v0_33._models[harness.manager.coordinator]
+    assert model is not None and model.write.retention == 0
+    tokens = [random.Random(1).randrange(1, 50000) for _ in range(1024)]
+    harness.serve(tokens)
+    assert harness.probe(tokens)["hit"] == 1008  # stock vLLM: 992
+
+
 def test_a_scheduler_with_a_kv_connector_or_auxiliary_outputs_leaves_its_layout_stock():
     """What ``Scheduler.__init__`` tells the coordinator it builds (the real scheduler with a KV connector
     is in the tests above; auxiliary outputs need an MoE model and model runner V2, so a stand-in config)."""
