@@ -47,7 +47,8 @@ MODE_MEANING = {
               "they differ",
     "enforce": "the scheduler's prefix-cache hit length is kvhit's reference hit; vLLM provides the blocks",
 }
-ALWAYS_STOCK = "KV connectors' own coordinators (CPU offload, UMBP, Mooncake store); lookups capped below N - 1"
+ALWAYS_STOCK = ("any layout kvhit cannot enforce whole (a write side the spec does not model, a KV connector, "
+                "auxiliary outputs): wholly, reported as not modelled")
 KIND_NAMES = {"full": "full attention", "swa": "sliding window", "mamba": "Mamba", "chunked": "chunked local"}
 NOT_COUNTED = "not counted (start vllm serve with KVHIT_COUNT_GAINS=1 to count them in enforce)"
 NO_COUNTERS = ("no kvhit counters on /metrics: kvhit is off there, or vllm serve was started without "
@@ -203,9 +204,10 @@ def stock_paths(status: dict | None, mode: str | None, found: dict | None) -> li
     if status is not None and not status["modelled"]:
         out.append(f"every lookup and write on this layout: not modelled ({status.get('unmodelled')})")
     elif mode == "shadow":
-        out.append("every hit and every write (shadow changes nothing); KV connectors' per-group lookup is "
-                   "not compared")
+        out.append("every hit and every write (shadow changes nothing)")
     elif status is not None and status.get("write_side", "reference") != "reference":
+        # a status file of a kvhit that enforced a read side on vLLM's write side (this one leaves such a
+        # layout wholly to vLLM, as not modelled)
         out.append(f"write side: {status['write_side']}")
     if found and found["enforce_fallbacks"]:
         out.append(f"{found['enforce_fallbacks']} enforced lookups answered by vLLM after a kvhit failure "
