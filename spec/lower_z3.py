@@ -244,6 +244,12 @@ class SymbolicCache:
                 previous_end = e
         return z3.And(out) if out else z3.BoolVal(True)
 
+    def blocks(self):
+        """How many blocks the runs cache, over every group and unit (what a smallest counterexample's cache
+        minimises); 0 when no lookup has read the cache."""
+        z3 = _z3()
+        return z3.Sum([e.z - s.z for runs in self.lists.values() for s, e in runs] or [z3.IntVal(0)])
+
     def dense_up_to(self, extent):
         """Every group holds every block up to ``extent`` tokens (at least)."""
         z3 = _z3()
