@@ -9,21 +9,21 @@ proves is reported as unattributed, and fails ``kvhit prove --findings``.
 
 Each defect's smallest counterexample has the least prompt length ``N`` over all its configurations (a
 binary search of bounded checks per configuration, below the best found so far; ties go to the first
-label). Each bounded check is a verdict decided under the proofs' resource limits, so the least ``N`` and the
-configuration shown do not depend on the machine or on the order the work ran in; the cache state shown is
-the solver's model at that ``N``.
+label); at that ``N``, on the read side, the cache holds the fewest blocks any counterexample's does (a
+binary search of bounded checks on the count). Each bounded check is a verdict decided under the proofs'
+resource limits, so the least ``N``, the configuration and the number of cached blocks shown do not depend
+on the machine or on the order the work ran in (which blocks they are is the solver's model).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from dataclasses import dataclass, field
 from itertools import combinations
 
 from kvhit.spec.policy import REPAIRS, VLLM_0_33, repaired
 
-from .model import Config, check
+from .model import Config, check, isolated_map
 
 
 @dataclass
@@ -87,15 +87,15 @@ def _smallest_one(key):
     for invariant, config, n, label, inv_row in sorted(_WORK[key], key=lambda c: (c[2], c[3], c[4])):
         cex = smallest_counterexample(invariant, config, n if best is None else min(n, best[0]))
         if cex is not None and (best is None or (cex["N"], label, inv_row) < best[:3]):
-            best = (cex["N"], label, inv_row, cex)
-    return key, best
+            best = (cex["N"], label, inv_row, cex, invariant, config)
+    if best is None:
+        return key, None
+    n, label, inv_row, cex, invariant, config = best
+    return key, (n, label, inv_row, smallest_cache(invariant, config, cex))
 
 
 def _map(fn, keys, jobs):
-    if jobs <= 1 or len(keys) <= 1:
-        return dict(map(fn, keys))
-    with multiprocessing.get_context("fork").Pool(min(jobs, len(keys))) as pool:
-        return dict(pool.imap_unordered(fn, keys, chunksize=1))
+    return dict(isolated_map(fn, keys, jobs))
 
 
 def smallest_counterexample(invariant, config: Config, bound: int) -> dict | None:
@@ -111,6 +111,30 @@ def smallest_counterexample(invariant, config: Config, bound: int) -> dict | Non
             lo = mid + 1
         else:
             raise RuntimeError(f"{invariant.name} / {config.label}, N <= {mid}: {verdict}")
+    return best
+
+
+def cached_blocks(cex: dict) -> int:
+    """How many blocks a counterexample's arbitrary cache holds (0 on the write side, whose caches the
+    request builds)."""
+    return sum(e - s for lists in cex["cache"].values() for item in lists for s, e in item["blocks"])
+
+
+def smallest_cache(invariant, config: Config, cex: dict) -> dict:
+    """A counterexample at ``cex``'s prompt length (the least one) whose cache holds the fewest blocks
+    (binary search on the count; ``cex`` itself on the write side)."""
+    if config.write_side:
+        return cex
+    lo, hi, best = 0, cached_blocks(cex) - 1, cex
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        verdict, _, found, _ = check(invariant, VLLM_0_33, config, max_n=cex["N"], max_blocks=mid)
+        if verdict == "REFUTED":
+            best, hi = found, cached_blocks(found) - 1
+        elif verdict == "PROVED":
+            lo = mid + 1
+        else:
+            raise RuntimeError(f"{invariant.name} / {config.label}, N = {cex['N']}, <= {mid} blocks: {verdict}")
     return best
 
 
@@ -167,7 +191,7 @@ def _describe(inv_row: str, label: str, cex: dict) -> dict:
     than can be served: F1 reads past the hashes); on the write side what the claim shows the later request
     losing against a cache with every state retained (its resend or its sibling, whichever loses more)."""
     out = {"invariant": inv_row, "config": label, "N": cex["N"], "witnesses": cex["witnesses"],
-           "cache": cex["cache"], "shown": cex["replayed"]}
+           "cache": cex["cache"], "cached_blocks": cached_blocks(cex), "shown": cex["replayed"]}
     if "repeat_hits" in cex:
         shown = cex["replayed"]
         out["first_repeat"] = {p: h[0] for p, h in cex["repeat_hits"].items()}
@@ -181,7 +205,20 @@ def _describe(inv_row: str, label: str, cex: dict) -> dict:
         out["tokens_lost_per_repeat"] = max(gain, 0)
         if gain < 0:
             out["unsound_tokens"] = -gain
+        shown = cex["replayed"]
+        if "reach" in shown and "hash_reach" in shown and shown["reach"] > shown["hash_reach"]:
+            out["reads_past_hashes"] = {"reach": shown["reach"], "hash_reach": shown["hash_reach"]}
     return out
+
+
+def _cache_text(smallest: dict) -> str:
+    """The read-side cache of a smallest counterexample, e.g. `` (cache: 1 block: group 0 [0, 1) of 16)``."""
+    if "hits" not in smallest or "cache" not in smallest:
+        return ""
+    runs = [f"group {k} [{s}, {e}) of {item['unit']}" for k, lists in smallest["cache"].items() for item in lists
+            for s, e in item["blocks"]]
+    count = smallest["cached_blocks"]
+    return f" (cache: {count} block{'s' if count != 1 else ''}{': ' if runs else ''}{', '.join(runs)})"
 
 
 def table(defects, unattributed) -> str:
@@ -192,13 +229,16 @@ def table(defects, unattributed) -> str:
         hits = s.get("hits") or s.get("first_repeat") or {}
         lost = (f"{s['unsound_tokens']} tokens unsound" if s.get("unsound_tokens")
                 else f"lost {s.get('tokens_lost_per_repeat')}")
+        if s.get("reads_past_hashes"):
+            past = s["reads_past_hashes"]
+            lost += f"; reads boundary {past['reach']}, past the hashes' {past['hash_reach']} (IndexError in vLLM)"
         if "first_repeat" in s:
             lost += " by the resend or the sibling against every state retained"
         what = "first repeat: " if "first_repeat" in s else ""
         shown = (f"{what}vllm_0_33 {hits.get('vllm_0_33')}, repaired {hits.get('vllm_0_33_repaired')}, "
                  f"reference {hits.get('reference')}; {lost}") if hits else ""
         lines.append(f"{d.id:8} {' | '.join('+'.join(x) for x in d.repairs):44} {len(d.checks):>6}  "
-                     f"{s['invariant']} on {s['config']} N={s['N']}: {shown}")
+                     f"{s['invariant']} on {s['config']} N={s['N']}{_cache_text(s)}: {shown}")
         lines.append(f"{'':8} changes {'; '.join(REPAIRS[r].vllm for r in d.repairs[0])}")
         lines.append(f"{'':8} invariants: {', '.join(sorted({c[0] for c in d.checks}))}")
         lines.append(f"{'':8} layouts: {', '.join(sorted({c[1].split()[0] for c in d.checks}))}")
