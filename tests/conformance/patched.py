@@ -1,18 +1,25 @@
-"""vLLM 0.33.0 with the read-side repairs of ``docs/upstream/`` applied, run in a subprocess.
+"""vLLM 0.33.0 with the repairs of ``docs/upstream/`` applied, run in a subprocess.
 
-:func:`patch_core` copies the installed ``vllm/v1/core`` into a directory and applies every patch of
-``docs/upstream/series`` with ``patch -p1 -F0`` (no fuzz: a patch whose context has moved fails).
-:func:`run_patched` starts ``python -m tests.conformance.patched CORE COMMAND ...``: the child makes
-``vllm.v1.core`` the patched copy (:func:`use_core`, before any of its submodules is imported) and runs
+:func:`patch_core` copies the installed ``vllm/v1/core`` into a directory and applies the patches of
+``docs/upstream/series`` (default: all of them, the four read-side repairs and ``replay_at_resume``, the
+write side) with ``patch -p1 -F0`` (no fuzz: a patch whose context has moved fails). :func:`run_patched`
+starts ``python -m tests.conformance.patched CORE COMMAND ...``: the child makes ``vllm.v1.core`` the patched
+copy (:func:`use_core`, before any of its submodules is imported) and runs
 
 * ``differential COUNT``: the read-side differential of :mod:`.differential` against a policy (default
   ``vllm_0_33_repaired``) over the catalogue cases of :mod:`.test_hit_tokens_matches_vllm` and random layouts,
   COUNT scenarios in all; every mismatch is collected, not only the first, and a JSON summary is printed;
-* ``repro SCRIPT``: a ``docs/repro`` script, as ``python docs/repro/SCRIPT`` would run it.
+* ``write-differential COUNT``: the write-side differential of :mod:`.write_side` (what the first request
+  leaves, the resends' and siblings' hits) against a policy (default ``vllm_0_33_repaired``) over the cases
+  of :mod:`.test_write_side_matches_vllm`, COUNT scenarios and its pinned ones; every mismatch is collected
+  and a JSON summary printed. Against ``vllm_0_33_repaired``, a mismatch in a scenario of a known divergence
+  of the model (:data:`WRITE_DIVERGENCES`: what vLLM's engine cannot do, patched or not) is counted under
+  its name instead, and each divergence's counterexample is run; ``KVHIT_MISMATCH_LOG`` names a file for
+  the full text of every other mismatch;
+* ``repro SCRIPT ...``: ``docs/repro`` scripts, one after another, each as ``python docs/repro/SCRIPT`` would
+  run it (after a line ``script=SCRIPT``).
 
 The test process itself never imports the patched modules: its vLLM stays the installed one.
-The write-side repair (``replay_at_resume``) has no patch yet, so the patched engine keeps vLLM's write side
-(docs/upstream/README.md).
 """
 
 from __future__ import annotations
@@ -24,13 +31,20 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from kvhit.refimpl import Group, Layout, Speculation
 
 ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = ROOT / "docs" / "upstream"
 REPRO = ROOT / "docs" / "repro"
-READ_SIDE_PATCHES = tuple(line.strip() for line in (UPSTREAM / "series").read_text().splitlines()
-                          if line.strip() and not line.startswith("#"))
+SERIES = tuple(line.strip() for line in (UPSTREAM / "series").read_text().splitlines()
+               if line.strip() and not line.startswith("#"))
+WRITE_SIDE_PATCH = "replay_at_resume.patch"
+READ_SIDE_PATCHES = tuple(name for name in SERIES if name != WRITE_SIDE_PATCH)
 
 
 class PatchFailed(RuntimeError):
@@ -43,7 +57,7 @@ def installed_core() -> Path:
     return Path(spec.origin).parent / "v1" / "core"
 
 
-def patch_core(dest: Path, patches=READ_SIDE_PATCHES) -> Path:
+def patch_core(dest: Path, patches=SERIES) -> Path:
     """Copy the installed ``vllm/v1/core`` to ``dest/vllm/v1/core`` and apply ``patches`` in order.
 
     Raises:
@@ -144,6 +158,184 @@ def differential(count: int, policy: str) -> dict:
             "mismatches": len(mismatches), "first_mismatches": mismatches[:5]}
 
 
+QWEN3NEXT = Layout((Group("full", 1600), Group("mamba", 1600)), name="qwen3next")
+
+
+def _scenario(layout, speculation, retention, n):
+    """A first request, then a resend (:class:`.write_side.WriteScenario`); ``layout`` a catalogue name or a
+    refimpl ``Layout``."""
+    from kvhit.spec.catalogue import CATALOGUE
+
+    from .differential import to_refimpl
+    from .write_side import WriteScenario
+
+    if isinstance(layout, str):
+        layout = to_refimpl(CATALOGUE[layout])
+    return WriteScenario(layout, speculation, retention, n, (("resend",),), seed=n)
+
+
+def _mamba_groups(sizes):
+    return [k for k, sg in enumerate(sizes.groups) if sg.kind.value == "mamba"]
+
+
+def _state_inside_a_block(scenario, sizes) -> bool:
+    from kvhit.refimpl.policy import read_unit
+
+    return any(read_unit(sizes, k) < sizes.groups[k].block for k in _mamba_groups(sizes))
+
+
+def _dense_below_alignment(scenario, sizes) -> bool:
+    from kvhit.refimpl.policy import read_unit
+
+    return scenario.retention is None and any(read_unit(sizes, k) % sizes.alignment for k in _mamba_groups(sizes))
+
+
+def _state_within_prefill_lookahead(scenario, sizes) -> bool:
+    from kvhit.refimpl import policy_rules, request_writes, written_cache
+
+    n, lp = scenario.n, sizes.prefill_lookahead
+    if lp < 2 or not _mamba_groups(sizes):
+        return False
+    cache = written_cache(request_writes(sizes, n, scenario.retention, policy_rules("vllm_0_33_repaired")))
+    return any(cache.has(k, x) for k in _mamba_groups(sizes) for x in range(n - lp + 1, n))
+
+
+def _decoded_tail_past_the_token_limit(scenario, sizes) -> bool:
+    from kvhit.refimpl.policy import cacheable_tokens, decoded_tail, reprefillable
+
+    if not sizes.drop or reprefillable(sizes) == 0:
+        return False
+    n, h, lookahead = scenario.n, sizes.hash_block, sizes.hash_lookahead
+    tokens = n + 1 + reprefillable(sizes)
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind.value != "full" or sg.block == h:
+            continue
+        # vLLM FullAttentionManager._cache_partial_tail_block on the decoded request
+        limit = n if sg.drops else n - 1
+        x = min(limit // h, max(tokens - lookahead, 0) // h) * h
+        ok = 0 < x <= cacheable_tokens(sizes, k, tokens) and x % sg.block and x <= n - lookahead
+        if (x if ok else -1) != decoded_tail(sizes, k, n):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Write-side scenarios where vLLM's engine cannot do what ``vllm_0_33_repaired``'s write side says,
+    patched or not: a rule of the model to change (docs/upstream/README.md, replay_at_resume.patch). A
+    mismatching scenario that no divergence ``applies`` to is a mismatch of the patch; ``counterexample``
+    (a :class:`.write_side.WriteScenario` built on demand) mismatches on the patched engine, so an entry
+    goes once the model changes."""
+
+    name: str
+    why: str
+    applies: Callable
+    counterexample: Callable
+
+
+WRITE_DIVERGENCES = (
+    Divergence("mamba_state_inside_a_block",
+               "a Mamba group read at hash granularity: the model keeps states inside a Mamba block (every hash "
+               "block when dense, each resume point); vLLM holds one state per block and one partial tail per "
+               "request", _state_inside_a_block,
+               lambda: _scenario("qwen3next_pmu160", Speculation("none"), 0, 4800)),
+    Divergence("mamba_dense_below_alignment",
+               "dense retention, a Mamba block below the alignment: the model keeps a state at every block; "
+               "vLLM caches a Mamba block only once the aligned cacheable prefix reaches it, when the earlier "
+               "states are already freed (no hit can end there)", _dense_below_alignment,
+               lambda: _scenario(Layout((Group("full", 64), Group("mamba", 16))), Speculation("drop", 1), None,
+                                 241)),
+    Divergence("mamba_state_within_prefill_lookahead",
+               "multi-module MTP: the model keeps a Mamba state within the prefill lookahead of the prompt end, "
+               "where the scheduler cannot end a chunk (_reserve_prefill_lookahead)",
+               _state_within_prefill_lookahead,
+               lambda: _scenario(QWEN3NEXT, Speculation("drop", 3, True), 1600, 3202)),
+    Divergence("decoded_tail_past_the_token_limit",
+               "EAGLE drop with multi-module MTP: the model's decoded partial tail (decoded_tail) ignores "
+               "_cache_partial_tail_block's token limit, so its decoded resume point is not vLLM's",
+               _decoded_tail_past_the_token_limit,
+               lambda: _scenario(Layout((Group("mamba", 32), Group("full", 32)), dcp=2, prefix_match_unit=32),
+                                 Speculation("drop", 2, True), 128, 127)),
+)
+
+
+def known_divergence(scenario) -> str | None:
+    """The first :data:`WRITE_DIVERGENCES` entry that applies to ``scenario``, by name."""
+    from kvhit.refimpl import derive_sizes
+
+    sizes = derive_sizes(scenario.layout, scenario.speculation)
+    return next((d.name for d in WRITE_DIVERGENCES if d.applies(scenario, sizes)), None)
+
+
+def write_differential(count: int, policy: str) -> dict:
+    """Run ``count`` write-side scenarios (those of :mod:`.test_write_side_matches_vllm`: its catalogue cases
+    and random layouts in its proportions, then its pinned scenarios) against ``policy``; collect every
+    mismatch."""
+    from dataclasses import replace
+
+    from hypothesis import HealthCheck, given, settings
+
+    from kvhit.refimpl import policy_rules
+    from kvhit.spec.catalogue import CATALOGUE
+
+    from .differential import Mismatch, to_refimpl
+    from .strategies import SPECULATIONS, random_layouts, write_scenarios
+    from .test_hit_tokens_matches_vllm import HEAVY
+    from .test_write_side_matches_vllm import CASES, PINNED, RANDOM_SHARE
+    from .write_side import WriteStats, run_write_scenario
+
+    rules = policy_rules(policy)
+    stats = WriteStats()
+    mismatches: list[str] = []
+    divergences: Counter = Counter()
+    quiet = dict(deadline=None, database=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                        HealthCheck.filter_too_much])
+
+    def one(scenario):
+        start = time.perf_counter()
+        try:
+            run_write_scenario(scenario, stats, rules=rules)
+        except Mismatch as e:
+            known = known_divergence(scenario) if policy == "vllm_0_33_repaired" else None
+            if known is None:
+                mismatches.append(str(e))
+            else:
+                divergences[known] += 1
+        finally:
+            stats.seconds += time.perf_counter() - start
+
+    weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
+    for (name, dcp, mode), w in zip(CASES, weights):
+        layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
+        specs = [s for s in SPECULATIONS if s.mode.value == mode]
+        examples = max(1, round(count * (1 - RANDOM_SHARE) * w / sum(weights)))
+        settings(max_examples=examples, **quiet)(given(scenario=write_scenarios(layout, specs))(one))()
+    examples = max(1, count - round(count * (1 - RANDOM_SHARE)))
+    settings(max_examples=examples, **quiet)(given(scenario=random_layouts().flatmap(write_scenarios))(one))()
+    for scenario in PINNED:
+        one(scenario)
+    counterexamples = {}
+    if policy == "vllm_0_33_repaired":
+        for d in WRITE_DIVERGENCES:
+            try:
+                run_write_scenario(d.counterexample(), WriteStats(), rules=rules)
+                counterexamples[d.name] = "match"
+            except Mismatch:
+                counterexamples[d.name] = "mismatch"
+    if os.environ.get("KVHIT_MISMATCH_LOG"):
+        Path(os.environ["KVHIT_MISMATCH_LOG"]).write_text("\n\n".join(mismatches))
+    return {"policy": policy, "scenarios": stats.scenarios, "retained_groups": stats.retained_groups,
+            "resends": stats.resends, "siblings": stats.siblings, "positive": stats.positive,
+            "crashes_predicted": stats.crashes_predicted, "stalls": stats.stalls,
+            "below_dense": stats.below_dense, "seconds": round(stats.seconds, 1),
+            "by_layout": dict(stats.by_layout), "by_mode": dict(stats.by_mode),
+            "known_divergences": dict(divergences), "divergence_counterexamples": counterexamples,
+            "mismatches": len(mismatches),
+            "first_mismatches": mismatches[:5], "mismatch_kinds": dict(Counter(" / ".join(m.splitlines()[:2]).split("[")[0] + " " + m.splitlines()[0]
+                                           for m in mismatches))}
+
+
 def main(argv) -> None:
     core_dir, command, *rest = argv
     core_dir = Path(core_dir).resolve()
@@ -154,13 +346,21 @@ def main(argv) -> None:
         summary = differential(count, policy)
         summary["patched_modules"] = check_loaded_from(core_dir)
         print("summary=" + json.dumps(summary))
+    elif command == "write-differential":
+        count = int(rest[0])
+        policy = rest[1] if len(rest) > 1 else "vllm_0_33_repaired"
+        summary = write_differential(count, policy)
+        summary["patched_modules"] = check_loaded_from(core_dir)
+        print("summary=" + json.dumps(summary))
     elif command == "repro":
         import runpy
 
-        script = REPRO / rest[0]
         sys.path.insert(0, str(REPRO))
-        sys.argv = [str(script)]
-        runpy.run_path(str(script), run_name="__main__")
+        for name in rest:  # several scripts share one start-up of vLLM
+            script = REPRO / name
+            print(f"script={name}", flush=True)
+            sys.argv = [str(script)]
+            runpy.run_path(str(script), run_name="__main__")
         print(f"patched_modules={check_loaded_from(core_dir)}")
     else:
         raise SystemExit(f"unknown command {command!r}")
