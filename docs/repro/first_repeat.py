@@ -40,7 +40,8 @@ def build(groups, *, S, H, use_eagle, L, Lp, k, retention, max_model_len, num_bl
         mamba_prefill_checkpoint_alignment=mamba[0].prefill_checkpoint_alignment if mamba else None,
         mamba_has_prefill_checkpoint_blocks=bool(mamba) and all(m.num_prefill_checkpoint_blocks > 0 for m in mamba),
         mamba_partial_cache_hit=partial, mamba_shared_prefix_checkpoint=partial and mgr.mamba_shared_prefix_checkpoint,
-        max_num_scheduled_tokens=budget, scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0))
+        max_num_scheduled_tokens=budget, scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0),
+        kv_cache_manager=mgr)
     return mgr, sched, get_request_block_hasher(H, sha256, L)
 
 
