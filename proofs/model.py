@@ -79,6 +79,8 @@ class Invariant:
         heavy: configurations checked only by ``kvhit prove --extended`` (too slow for the default run).
         policies: the modelled policies it speaks about (None: every one); a claim that compares a policy
             with ``vllm_0_33`` says nothing of ``vllm_0_33`` itself.
+        extended_policies: more policies it speaks about in ``kvhit prove --extended`` only (too slow for
+            the default run).
     """
 
     name: str
@@ -91,6 +93,7 @@ class Invariant:
     write_side: bool = False
     heavy: Callable[[Config], bool] = lambda config: False
     policies: tuple | None = None
+    extended_policies: tuple = ()
 
     @property
     def formula(self) -> str:

@@ -88,7 +88,7 @@ def tasks(only_catalogue_for_bad: bool = True):
             if inv.heavy(config) and not EXTENDED:
                 continue
             for policy in POLICIES:
-                if inv.policies is None or policy in inv.policies:
+                if inv.policies is None or policy in inv.policies or (EXTENDED and policy in inv.extended_policies):
                     out.append((inv.name, policy, i, None))
             for bad in inv.refuted_by:
                 if bad in POLICIES:
