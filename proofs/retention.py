@@ -155,8 +155,8 @@ INVARIANTS = (
     # up to 118 s at R = 3200; a sliding-window layout did not finish in 10 minutes (full64_swa64w200_eagle, no
     # speculation, R = 0): those run with --extended. Under vllm_0_33_repaired (vLLM's per-kind lookups on
     # the two-layer caches) both stream claims are PROVED on the default run's qwen3next configurations, but
-    # take 165 s (dominance, 10 configurations, 3.4 G units) and 274 s (junction, 15, 4.6 G) on 2 cores, more
-    # than the rest of the write side: --extended too.
+    # take 165 s (dominance, 10 configurations, 3.4 G units) and 274 s (junction, 15, 4.6 G) on 2 cores, about
+    # 7 minutes more for make prove: --extended too.
     Invariant("reference_never_below_vllm", reference_never_below_vllm, "retention",
               applies=lambda config: config.write_side, refuted_by=("without_junction",), write_side=True,
               heavy=lambda config: _has_sliding_window(config) or config.retention not in (None, 0),
