@@ -13,7 +13,10 @@ Policies differ in three rules of :class:`kvhit.spec.policy.Rules`:
   or with an EAGLE drop one scheduler block below the last and the resend's aligned boundaries);
   historical (``Replay.PROMPT_END``): ``N - 1`` always; reference (``Replay.RESUME``): the points the read
   side itself resumes at, computed by the read side on the cache the request would leave if every state
-  were retained. One definition, two views: what is retained is what is resumed at.
+  were retained, then vLLM's. One definition, two views: what is retained is what is resumed at. The
+  scheduler then also ends a chunk at each retained Mamba state, the resend's point is the Mamba prompt
+  checkpoint, and a Mamba group read at its block keeps what vLLM's bookkeeping can (one state per block
+  slot, one partial tail per request: :func:`mamba_held`); ``replay_at_resume.patch`` in ``docs/upstream/``.
 * ``checkpoint_drop``: the Mamba prompt checkpoint the scheduler stops at accounts for the EAGLE drop
   (vLLM 0.33) or not (historical).
 * ``junction``: where a request records its junction (vLLM: ``hit + num_uncached``, ``Junction.UNCACHED``).
@@ -98,15 +101,24 @@ def cacheable_tokens(sizes: Sizes, k, computed):
     return aligned
 
 
-def group_extent(sizes: Sizes, k, n_tokens, decoded: bool = False):
+def group_extent(sizes: Sizes, k, n_tokens, decoded: bool = False, chunked: bool = True):
     """The prompt-only prefix spec group ``k`` can cache, within its cacheable tokens and ``N - L``: whole
     blocks for attention; for Mamba, boundaries at the unit it is read at (a Mamba state can sit inside a
     block when it is read at hash granularity: the prompt checkpoint's partial tail). ``decoded``: after
     enough decode steps that every prompt token is finalized and aligned (the caching calls of later steps
-    reach ``N - L``)."""
+    reach ``N - L``).
+
+    ``chunked``: a Mamba state exists only at a chunk end, and the scheduler ends no chunk within the
+    prefill lookahead of the prompt end (vLLM ``Scheduler._reserve_prefill_lookahead``): with multi-module
+    MTP (``Lp >= 2``) no state lies in ``(N - Lp, N)``, so the extent below the prompt end is at most
+    ``N - Lp`` (a state at ``N`` itself is a chunk end, :func:`mamba_held`). Without it: the cacheable
+    prefix as the resume points read it (vLLM, patched: ``PromptCacheView``, which finds a hash within the
+    group's cacheable tokens whatever the chunks were)."""
     top = n_tokens - sizes.hash_lookahead
     if not decoded:
         top = min_(cacheable_tokens(sizes, k, n_tokens), top)
+        if chunked and sizes.groups[k].kind is Kind.MAMBA and sizes.prefill_lookahead >= 2:
+            top = min_(top, n_tokens - sizes.prefill_lookahead)
     unit = read_unit(sizes, k) if sizes.groups[k].kind is Kind.MAMBA else sizes.groups[k].block
     return floor_to(max_(top, 0), unit)
 
@@ -119,6 +131,18 @@ def read_unit(sizes: Sizes, k) -> int:
     return sg.block
 
 
+def partial_tail_boundary(sizes: Sizes, k, n_tokens, cacheable, covered):
+    """vLLM ``FullAttentionManager.partial_tail_boundary`` (``_cache_partial_tail_block``'s arithmetic,
+    factored out by the patch): the prompt's last hash boundary, at most ``N`` for an EAGLE group and
+    ``N - 1`` otherwise (the token limit) and within the ``covered`` tokens the request's hashes cover, when
+    it lies inside a block of full-attention group ``k`` and within the ``cacheable`` tokens of the call.
+    ``(x, ok)``: the boundary and whether the call registers it."""
+    sg = sizes.groups[k]
+    limit = floor_to(n_tokens if sg.drops else n_tokens - 1, sizes.hash_block)
+    x = min_(limit, covered)
+    return x, and_(and_(x > 0, x <= cacheable), not_(eq_zero_mod(x, sg.block)))
+
+
 def partial_tails(sizes: Sizes, k, n_tokens):
     """vLLM ``FullAttentionManager._cache_partial_tail_block``: the boundary inside a block that a
     full-attention group whose block exceeds the hash unit registers at each caching call, from the
@@ -129,7 +153,6 @@ def partial_tails(sizes: Sizes, k, n_tokens):
     h = sizes.hash_block
     if sg.block == h:
         return ()
-    limit = floor_to(n_tokens if sg.drops else n_tokens - 1, h)
     cacheable = cacheable_tokens(sizes, k, n_tokens)
     calls = (n_tokens, n_tokens + 1) if sizes.prefill_lookahead > 0 else (n_tokens,)
     points = []
@@ -140,8 +163,7 @@ def partial_tails(sizes: Sizes, k, n_tokens):
         # an entry on a block this call caches whole is replaced by the full entry
         points = [ite(and_(full_before <= floor_to(p, sg.block), floor_to(p, sg.block) < full),
                       NO_PARTIAL_TAIL, p) for p in points]
-        x = min_(limit, covered)
-        ok = and_(and_(x > 0, x <= cacheable), not_(eq_zero_mod(x, sg.block)))
+        x, ok = partial_tail_boundary(sizes, k, n_tokens, cacheable, covered)
         # a block carries one partial entry: a new one replaces an older one on the same block
         points = [ite(and_(ok, eq(floor_to(p, sg.block), floor_to(x, sg.block))), NO_PARTIAL_TAIL, p)
                   for p in points]
@@ -153,33 +175,35 @@ def partial_tails(sizes: Sizes, k, n_tokens):
 def decoded_tail(sizes: Sizes, k, n_tokens):
     """The partial-tail entry full-attention group ``k`` holds for the prompt once a decode step has made
     every prompt token final (``N + 1 + reprefillable`` tokens computed, the sampled one included): that
-    step's caching call registers the highest hash boundary it can cache inside the last, incomplete block
-    (vLLM ``_cache_partial_tail_block``, replacing the prefill's entry on that block; the blocks before it
-    are then cached whole). A later prompt sharing the ``N`` tokens can use it only up to ``N - L``; once the
-    call completes the block, only the whole block's entry is left, past ``N - L``. Longer decoding can move
-    the entry on or complete the block; a state kept for this entry then goes unused.
-    :data:`NO_PARTIAL_TAIL` for none (also when the group's block is the hash unit)."""
+    step's caching call registers the prompt's last hash boundary when it lies inside a block and within the
+    call's cacheable tokens (:func:`partial_tail_boundary`: at most ``N``, or ``N - 1`` without the EAGLE
+    drop; vLLM ``_cache_partial_tail_block``, replacing the prefill's entry on that block; the blocks before
+    it are then cached whole), and none otherwise. A later prompt sharing the ``N`` tokens can use it only up
+    to ``N - L``; once the call completes the block, only the whole block's entry is left, past ``N - L``.
+    Longer decoding can move the entry on or complete the block; a state kept for this entry then goes
+    unused. :data:`NO_PARTIAL_TAIL` for none (also when the group's block is the hash unit)."""
     sg = sizes.groups[k]
-    h = sizes.hash_block
-    if sg.block == h:
+    if sg.block == sizes.hash_block:
         return NO_PARTIAL_TAIL
     tokens = n_tokens + 1 + reprefillable(sizes)
-    x = floor_to(min_(cacheable_tokens(sizes, k, tokens), hash_reach(sizes, tokens)), h)
-    inside = and_(and_(x > 0, not_(eq_zero_mod(x, sg.block))), x <= n_tokens - sizes.hash_lookahead)
-    return ite(inside, x, NO_PARTIAL_TAIL)
+    x, ok = partial_tail_boundary(sizes, k, n_tokens, cacheable_tokens(sizes, k, tokens),
+                                  hash_reach(sizes, tokens))
+    return ite(and_(ok, x <= n_tokens - sizes.hash_lookahead), x, NO_PARTIAL_TAIL)
 
 
 def dense_groups(sizes: Sizes, n_tokens, decoded: bool = False):
-    """What the request would leave if every state were retained: each group holds every boundary up to
-    its extent (full attention also its partial tail); ``decoded``: once decode steps have cached the rest
-    of the prompt (:func:`group_extent`, :func:`decoded_tail`)."""
+    """What the request would leave if every state were retained, as the resume points read it: each group
+    holds every boundary up to its cacheable extent (full attention also its partial tail; the view of
+    :func:`group_extent` without the chunk limit); ``decoded``: once decode steps have cached the rest of the prompt
+    (:func:`decoded_tail`)."""
     out = []
     for k, sg in enumerate(sizes.groups):
         points = ()
         if sg.kind is Kind.FULL:
             points = (decoded_tail(sizes, k, n_tokens),) if decoded else partial_tails(sizes, k, n_tokens)
-        out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k),
-                        extent=group_extent(sizes, k, n_tokens, decoded), every=True, points=points))
+        extent = group_extent(sizes, k, n_tokens, decoded, chunked=False)
+        out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k), extent=extent, every=True,
+                        points=points))
     return tuple(out)
 
 
@@ -260,7 +284,7 @@ def gaps_possible(sizes: Sizes, k) -> bool:
     return sg.window + sg.block <= sizes.scheduler_block + reprefillable(sizes)
 
 
-def sliding_window_gaps(sizes: Sizes, k, n_tokens, start, junction, rules: Rules):
+def sliding_window_gaps(sizes: Sizes, k, n_tokens, start, junction, rules: Rules, retained=()):
     """Blocks of sliding-window group ``k`` freed before any caching call covered them.
 
     vLLM frees the blocks a chunk starting at ``s`` no longer reads (those ending at or before
@@ -275,7 +299,7 @@ def sliding_window_gaps(sizes: Sizes, k, n_tokens, start, junction, rules: Rules
     sg = sizes.groups[k]
     b = sg.block
     out = []
-    for s in chunk_stops(sizes, n_tokens, start, junction, rules).all():
+    for s in chunk_stops(sizes, n_tokens, start, junction, rules, retained).all():
         inside = and_(start < s, s < n_tokens)
         cached = floor_to(min_(cacheable_tokens(sizes, k, s), hash_reach(sizes, n_tokens)), b)
         freed = floor_to(max_(s - sg.window + 1, 0), b)
@@ -328,23 +352,27 @@ class ChunkStops:
             block (vLLM ``last_cache_position``), with partial hits the partial-hit tail past it (vLLM
             ``tail_boundary``), and the junction floored to the config block past ``start`` (vLLM
             ``junction_stop``). The next chunk starts at each.
+        retained: under ``Replay.RESUME``, the retained Mamba states the scheduler also ends a chunk at
+            (:func:`retained_stops`; the periodic ones are not listed: :func:`mamba_held`).
         block_ends: the end of the config block that ``start`` and each of those but the checkpoint (a
             multiple of the config block already) lies in (vLLM ``next_block_boundary``: a chunk that
-            starts inside a config block stops at its end).
+            starts inside a config block stops at its end); the retained stops' only when the alignment is
+            not a multiple of the config block.
     """
 
     mandatory: tuple = ()
+    retained: tuple = ()
     block_ends: tuple = ()
 
     def all(self) -> tuple:
-        """Every stop: the mandatory ones, then the block ends."""
-        return self.mandatory + self.block_ends
+        """Every stop: the mandatory ones, the retained ones, then the block ends."""
+        return self.mandatory + self.retained + self.block_ends
 
 
-def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules) -> ChunkStops:
+def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules, retained=()) -> ChunkStops:
     """The scheduler's mandatory chunk ends when a Mamba group is present (vLLM
     ``_mamba_block_aligned_split``, ``block_size`` = the config block; none without a Mamba group): see
-    :class:`ChunkStops`."""
+    :class:`ChunkStops`. ``retained``: :func:`retained_stops` (none unless ``Replay.RESUME``)."""
     if not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
         return ChunkStops()
     big = sizes.config_block
@@ -357,20 +385,51 @@ def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules) -> ChunkS
         later.append(ite(and_(last_cache_position < tail, tail < n_tokens), tail, NO_STOP))
     later.append(ite(and_(start < junction, junction < n_tokens), start + floor_to(junction - start, big),
                      NO_STOP))
-    return ChunkStops(mandatory=(last_cache_position,) + tuple(later),
-                      block_ends=tuple(ceil_to(e, big) for e in [start] + later))
+    inside = list(retained) if sizes.alignment % big else []  # a retained stop is a multiple of A
+    return ChunkStops(mandatory=(last_cache_position,) + tuple(later), retained=tuple(retained),
+                      block_ends=tuple(ceil_to(e, big) for e in [start] + later + inside))
 
 
-def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules):
+def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: Rules):
+    """Where the scheduler also ends a chunk so that a Mamba state exists wherever one is retained, under
+    ``Replay.RESUME`` (vLLM, patched: ``KVCacheCoordinator.next_mamba_state_boundary``, one more entry of
+    ``_mamba_block_aligned_split``'s ``stops``): each replay boundary and the junction floored to the
+    alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may end within the prefill lookahead of the
+    prompt end, ``_reserve_prefill_lookahead``) and some Mamba group's cached tokens at the prompt end (its
+    cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
+    (of ``max(A, b)`` when dense) there: those are the Mamba groups' periodic states (:func:`mamba_held`),
+    not listed. :data:`NO_STOP` for an absent one; none under another ``replay`` rule."""
+    if rules.replay != Replay.RESUME:
+        return ()
+    top = n_tokens - max(sizes.prefill_lookahead, 1)
+    cached = []
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.MAMBA:
+            cached.append(min_(cacheable_tokens(sizes, k, n_tokens), hash_reach(sizes, n_tokens)))
+    if not cached:
+        return ()
+    out = []
+    for x in tuple(boundaries) + (junction,):
+        p = floor_to(x, sizes.alignment)
+        within = False
+        for c in cached:
+            within = or_(within, p <= c)
+        out.append(ite(and_(and_(start < p, p <= top), within), p, NO_STOP))
+    return tuple(out)
+
+
+def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules: Rules, retained=()):
     """Where a Mamba group of ``block`` tokens holds a state after a prefill (vLLM
     ``_mamba_block_aligned_split`` with a budget that never binds): the chunk ends (the prompt
-    checkpoint, the partial-hit tail, the junction floored to the config block, the end of a config
-    block a chunk started inside) and the end of each Mamba block a chunk ran through after starting
-    inside it; each only strictly between ``start`` and ``N``; then ``N``. Others are :data:`NO_STATE`."""
-    stops = chunk_stops(sizes, n_tokens, start, junction, rules)
+    checkpoint, the partial-hit tail, the junction floored to the config block, the retained states of
+    ``retained``, the end of a config block a chunk started inside) and the end of each Mamba block a chunk
+    ran through after starting inside it; each only strictly between ``start`` and ``N``; then ``N``. Others
+    are :data:`NO_STATE`."""
+    stops = chunk_stops(sizes, n_tokens, start, junction, rules, retained)
     # A chunk that starts inside a Mamba block carries the state on to that block's end, where its slot
-    # then holds it: the start and the checkpoint, partial-hit tail and junction stops.
-    ends = stops.all() + tuple(ceil_to(e, block) for e in (start,) + stops.mandatory)
+    # then holds it: the start and the checkpoint, partial-hit tail, junction and retained stops.
+    inside = stops.retained if sizes.alignment % block else ()  # a retained stop is a multiple of A
+    ends = stops.all() + tuple(ceil_to(e, block) for e in (start,) + stops.mandatory + inside)
     return tuple(ite(and_(start < e, e < n_tokens), e, NO_STATE) for e in ends) + (n_tokens,)
 
 
@@ -379,31 +438,49 @@ def ceil_to(x, unit: int):
     return cdiv(x, unit) * unit
 
 
-def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules):
-    """The Mamba states a request leaves.
+def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
+    """The Mamba states a request leaves: vLLM's bookkeeping, one state per Mamba block slot and one partial
+    tail per request (vLLM ``MambaManager``).
 
-    vLLM: a state exists at each chunk end; a block-aligned one is cached when the mask keeps it (every
-    one when dense; one per ``interval`` tokens; the block ending at each aligned boundary), and the
-    prompt checkpoint is registered as a tail whatever the mask says (``_cache_partial_tail_block``).
-    Reference: the scheduler stops at every boundary, so a state exists exactly where it is retained.
+    A state exists at each chunk end (:func:`mamba_chunk_ends`); a block-aligned one is cached when the mask
+    keeps it (``MambaManager.reachable_block_mask``: every one when dense or when the interval is at most
+    one block; one per ``interval`` tokens; the block ending at or before each aligned boundary), and the
+    prompt checkpoint is registered as a tail whatever the mask says (``_cache_partial_tail_block``) when a
+    caching call's cacheable tokens end exactly there. vLLM 0.33: the checkpoint is
+    ``get_mamba_prefill_checkpoint_position`` at the hash unit. ``Replay.RESUME`` (vLLM, patched): the
+    checkpoint is the resend's resume point (``boundaries[0]``), and the scheduler also ends a chunk at
+    each retained state (``retained``, :func:`retained_stops`) and at every multiple of the interval (of
+    ``max(A, b)`` when dense: ``next_mamba_state_boundary``) up to the extent, so those are states too: the
+    ``period``. Except a Mamba group read at hash granularity under ``RESUME``: it keeps a state at each
+    aligned boundary past ``start`` (inside a block too) and every unit when dense, which vLLM's bookkeeping
+    cannot (a known divergence, ``tests/conformance/patched.py``).
     """
     sg = sizes.groups[k]
     b = sg.block
     unit = read_unit(sizes, k)
-    extent = group_extent(sizes, k, n_tokens)
+    extent = group_extent(sizes, k, n_tokens)  # of the periodic states
+    # a chunk end never lies within the prefill lookahead of the prompt end, whose own state can be cached
+    top = group_extent(sizes, k, n_tokens, chunked=False)
     aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
-    if rules.replay == Replay.RESUME:  # one state per interval, each at a boundary the read side can use
-        # a state at or below the hit was an earlier request's: this one computes from its hit on
+    resume = rules.replay == Replay.RESUME
+    if resume and unit < b:
+        # Read at hash granularity: a state at every retained point, inside a block too (every unit when
+        # dense), which vLLM's one partial tail per request cannot keep (WRITE_DIVERGENCES,
+        # mamba_state_inside_a_block): modelled on vLLM's bookkeeping, a prompt sharing a prefix that ends
+        # inside a block would lose what a_shared_prefix_is_kept_at_the_junction claims.
         points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_STATE) for x in aligned)
         every = interval is None or (interval == 0 and not rules.sparse_zero)
-        period = interval if (interval is not None and interval > 0) else 0
         return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points,
-                    period=period)
+                    period=interval if (interval is not None and interval > 0) else 0)
     # vLLM's mask: every block when dense or when the interval is at most one block (vLLM returns None)
     every_block = interval is not None and interval > 0 and interval // b <= 1
-    period = interval if (interval is not None and interval > 0 and not every_block) else 0
     dense = interval is None or every_block or (interval == 0 and not rules.sparse_zero)
-    ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules)
+    period = interval if (interval is not None and interval > 0 and not every_block) else 0
+    if resume:  # every multiple of the interval within the extent is a chunk end, so a state
+        period = interval if (interval is not None and interval > 0) else 0
+        if dense and period == 0:
+            period = max(sizes.alignment, b)
+    ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules, retained)
     points = []
     for e in ends:
         kept = dense
@@ -411,21 +488,25 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
             kept = or_(kept, eq_zero_mod(e, period))
         for x in aligned:
             kept = or_(kept, eq(e, floor_to(x, b)))  # the block ending at or before the boundary
-        ok = and_(and_(and_(e > 0, e <= extent), eq_zero_mod(e, b)), kept)
+        ok = and_(and_(and_(e > 0, e <= top), eq_zero_mod(e, b)), kept)
         points.append(ite(ok, e, NO_STATE))
     drop = sizes.drop and rules.checkpoint_drop
-    tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
+    if resume:
+        tail = boundaries[0]
+    else:
+        tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
     is_end = False
     for e in ends:
         is_end = or_(is_end, eq(e, tail))
     # registered by a caching call whose cacheable tokens end exactly there: one at a chunk end (a scheduler
     # stop) or the last one (a state that only lands at a Mamba block's end inside a chunk gets no call)
     called = eq(cacheable_tokens(sizes, k, n_tokens), tail)
-    for c in chunk_stops(sizes, n_tokens, start, junction, rules).all():
+    for c in chunk_stops(sizes, n_tokens, start, junction, rules, retained).all():
         called = or_(called, and_(and_(start < c, c < n_tokens), eq(cacheable_tokens(sizes, k, c), tail)))
     ok = and_(and_(and_(tail > 0, tail <= n_tokens - sizes.hash_lookahead), is_end), called)
     points.append(ite(ok, tail, NO_STATE))
-    return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=False, points=tuple(points))
+    return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=False, points=tuple(points),
+                period=period if resume else 0)
 
 
 def eq_zero_mod(x, unit: int):
@@ -442,13 +523,14 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
     check_retention(sizes, interval)
     if boundaries is None:
         boundaries = replay_boundaries(sizes, n_tokens, rules)
+    retained = retained_stops(sizes, n_tokens, boundaries, start, junction, rules)
     out = []
     for k, sg in enumerate(sizes.groups):
         at = boundaries + junction_boundaries(sizes, k, junction)
         if sg.kind is Kind.SWA:
             if again:
                 at = junction_boundaries(sizes, k, junction)
-            gaps = sliding_window_gaps(sizes, k, n_tokens, start, junction, rules)
+            gaps = sliding_window_gaps(sizes, k, n_tokens, start, junction, rules, retained)
             held = sliding_window_held(sizes, k, n_tokens, interval, at, rules, gaps)
             if gaps and not (isinstance(start, int) and start == 0):
                 # what this request writes starts at its hit: the blocks before it are the earlier
@@ -456,7 +538,7 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
                 held = replace(held, gaps=gaps + ((0, floor_to(max_(start, 0), sg.block)),))
             out.append(held)
         elif sg.kind is Kind.MAMBA:
-            out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules))
+            out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules, retained))
         else:
             points = ()
             if sg.kind is Kind.FULL:
