@@ -4,15 +4,12 @@ invariants. Before, a check's units depended on what its worker had checked firs
 400 M in another)."""
 
 from kvhit.proofs import runner
+from kvhit.proofs.model import isolated_map
 
 
-def _rows(jobs, only):
-    runner.ONLY.clear()
-    runner.ONLY.update(only)
-    try:
-        return {(v.invariant, v.policy): (v.verdict, v.rlimit, v.max_rlimit) for v in runner.run(jobs)}
-    finally:
-        runner.ONLY.clear()
+def _units(chunks, jobs):
+    return {task: (verdict, spent) for done in isolated_map(runner._run_chunk, chunks, jobs)
+            for task, verdict, _, _, spent in done}
 
 
 def test_a_rows_chunks_do_not_depend_on_the_other_rows():
@@ -22,8 +19,11 @@ def test_a_rows_chunks_do_not_depend_on_the_other_rows():
     assert all(len(c) <= runner.CHUNK and len({t[:2] for t in c}) == 1 for c in every)
 
 
-def test_resource_units_are_the_same_on_one_worker_or_two_and_beside_other_invariants():
-    alone = _rows(1, {"lookup_stays_within_hashes"})
-    together = _rows(2, {"lookup_stays_within_hashes", "hit_is_aligned_and_capped"})
-    assert alone and all(together[key] == value for key, value in alone.items())
-    assert any(v[1] > 0 for v in alone.values())
+def test_resource_units_are_the_same_on_one_worker_or_two_and_beside_other_chunks():
+    every = runner.chunks(runner.tasks())
+    row = [c for c in every if c[0][:2] == ("hit_is_the_longest_valid", "vllm_0_33")][:2]
+    others = [c for c in every if c[0][:2] == ("lookup_stays_within_hashes", "reference")][:2]
+    alone = _units(row, 1)
+    beside = _units(others + row + others[::-1], 2)  # other checks before and after, on two workers
+    assert len(alone) == sum(map(len, row)) and any(spent > 0 for _, spent in alone.values())
+    assert {task: beside[task] for task in alone} == alone
