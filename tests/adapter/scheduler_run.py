@@ -32,10 +32,12 @@ in the process (``kvhit_counters``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
 import sys
+from collections.abc import Callable
 
 # Token ids the stand-in model runner produces; prompts avoid them (see ``_prompt``).
 SAMPLED_TOKEN_ID = 0
@@ -65,6 +67,9 @@ _LLAMA_MQA = {**_LLAMA, **_MQA}
 MODELS = {
     "llama": _LLAMA,
     "llama_eagle_draft": {**_LLAMA, "num_hidden_layers": 1},
+    # For prompts past 16384 tokens (the DeepSeek-V4 report layout aligns hits to 16384)
+    "llama_long": {**_LLAMA, "max_position_embeddings": 65536},
+    "llama_long_eagle_draft": {**_LLAMA, "num_hidden_layers": 1, "max_position_embeddings": 65536},
     "llama_mqa": _LLAMA_MQA,
     "llama_mqa_eagle_draft": {**_LLAMA_MQA, "num_hidden_layers": 1},
     "nemotron_h_mtp": _NEMOTRON_H,
@@ -84,6 +89,13 @@ def _attention_layers(block_size: int, n_target: int, n_draft: int, num_kv_heads
     layers = {f"model.layers.{i}.self_attn.attn": spec(False) for i in range(n_target)}
     layers.update({f"draft.layers.{i}.self_attn.attn": spec(True) for i in range(n_draft)})
     return layers
+
+
+def llama_layers(vllm_config) -> dict:
+    """The Llama target (2 layers) alone, full attention at ``cache_config.block_size``."""
+    c = MODELS["llama"]
+    return _attention_layers(vllm_config.cache_config.block_size, c["num_hidden_layers"], 0,
+                             c["num_key_value_heads"], c["head_dim"])
 
 
 def llama_eagle_layers(vllm_config) -> dict:
@@ -267,6 +279,50 @@ def write_models(models_dir: str) -> None:
 def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = None):
     """The ``Scheduler`` of scenario ``name`` and the block hasher ``EngineCore`` gives its requests
     (``prefix_match_unit``: vLLM's ``CacheConfig.prefix_match_unit``, finer prefix-cache keys)."""
+    target, speculative, layers_of, block_size, _ = SCENARIOS[name]
+    return build_scheduler_for(SchedulerSetup(
+        target=target, speculative=speculative, layers_of=layers_of, block_size=block_size,
+        parallel=PARALLEL.get(name, {}), retention=RETENTION.get(name, 0),
+        prefix_match_unit=PREFIX_MATCH_UNIT.get(name, prefix_match_unit),
+        extra=lambda: _extra_config(name, models_dir)), models_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSetup:
+    """What a scheduler is built from (see :func:`build_scheduler_for`).
+
+    Attributes:
+        target: The target model's folder in ``MODELS``.
+        speculative: ``SpeculativeConfig`` arguments (draft paths relative to the models folder), or None.
+        layers_of: ``vllm_config -> {layer name: KVCacheSpec}``, the stand-in for the workers' layer specs.
+        block_size: ``CacheConfig.block_size``.
+        parallel: ``ParallelConfig`` arguments.
+        retention: ``CacheConfig.prefix_cache_retention_interval``.
+        prefix_match_unit: ``CacheConfig.prefix_match_unit``.
+        max_num_batched_tokens: The scheduler's token budget per step.
+        max_model_len: ``ModelConfig.max_model_len``.
+        num_gpu_blocks: ``CacheConfig.num_gpu_blocks_override`` (None: room for four requests of
+            ``max_model_len``).
+        max_num_seqs: ``SchedulerConfig.max_num_seqs``.
+        extra: ``() -> dict`` of further ``VllmConfig`` arguments.
+    """
+
+    target: str
+    speculative: dict | None
+    layers_of: Callable
+    block_size: int
+    parallel: dict = dataclasses.field(default_factory=dict)
+    retention: int | None = 0
+    prefix_match_unit: int | None = None
+    max_num_batched_tokens: int = 0  # 0: MAX_NUM_BATCHED_TOKENS
+    max_model_len: int = 0  # 0: MAX_MODEL_LEN
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int = 4
+    extra: Callable = dict
+
+
+def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
+    """The ``Scheduler`` ``setup`` describes and the block hasher ``EngineCore`` gives its requests."""
     from vllm.config import (
         CacheConfig,
         ModelConfig,
@@ -288,10 +344,12 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    target, speculative, layers_of, block_size, _ = SCENARIOS[name]
-    model_config = ModelConfig(model=os.path.join(models_dir, target), skip_tokenizer_init=True,
-                               dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
-    parallel_config = ParallelConfig(**PARALLEL.get(name, {}))
+    block_size = setup.block_size
+    max_model_len = setup.max_model_len or MAX_MODEL_LEN
+    model_config = ModelConfig(model=os.path.join(models_dir, setup.target), skip_tokenizer_init=True,
+                               dtype="float32", max_model_len=max_model_len, seed=0)
+    parallel_config = ParallelConfig(**setup.parallel)
+    speculative = setup.speculative
     if speculative is not None:
         speculative = dict(speculative)
         if "model" in speculative:
@@ -299,24 +357,27 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
-                                 prefix_match_unit=PREFIX_MATCH_UNIT.get(name, prefix_match_unit),
-                                 prefix_cache_retention_interval=RETENTION.get(name, 0),
-                                 mamba_cache_mode="align" if model_config.is_hybrid else "none"),
+                                 prefix_match_unit=setup.prefix_match_unit,
+                                 prefix_cache_retention_interval=setup.retention,
+                                 mamba_cache_mode="align" if model_config.is_hybrid else "none",
+                                 num_gpu_blocks_override=setup.num_gpu_blocks),
         parallel_config=parallel_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                                         max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=setup.max_num_seqs,
+                                         max_num_batched_tokens=setup.max_num_batched_tokens
+                                         or MAX_NUM_BATCHED_TOKENS,
+                                         max_model_len=max_model_len, is_encoder_decoder=False),
         speculative_config=None if speculative is None else SpeculativeConfig(
             target_model_config=model_config, target_parallel_config=parallel_config, **speculative),
-        **_extra_config(name, models_dir),
+        **setup.extra(),
     )
 
     # EngineCore._initialize_kv_caches, with the layers' specs, the layout list and a memory budget in place of
     # what the workers report (the layout places bytes in memory; it plays no part in prefix caching).
-    layers = layers_of(vllm_config)
+    layers = setup.layers_of(vllm_config)
     resolve_kv_cache_layout(vllm_config, [["LBNHC"]], list(layers.values()))
     groups = get_global_kv_cache_groups(vllm_config, [layers])
     page = sum(spec.page_size_bytes for spec in layers.values())
-    kv_cache_configs = get_kv_cache_configs(vllm_config, [layers], [page * (4 * MAX_MODEL_LEN // block_size + 8)],
+    kv_cache_configs = get_kv_cache_configs(vllm_config, [layers], [page * (4 * max_model_len // block_size + 8)],
                                             groups)
     kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
@@ -382,21 +443,22 @@ def _step_record(scheduler_output, engine_outputs) -> dict:
     }
 
 
-def new_request(request_id: str, tokens: list[int], block_hasher):
-    """A request that decodes ``DECODE_STEPS`` tokens, hashed as ``EngineCore`` hashes it."""
+def new_request(request_id: str, tokens: list[int], block_hasher, max_tokens: int = DECODE_STEPS):
+    """A request that decodes ``max_tokens`` tokens, hashed as ``EngineCore`` hashes it."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(request_id, list(tokens), SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True), None,
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
                    arrival_time=0.0, block_hasher=block_hasher)
 
 
-def step(scheduler):
-    """One engine step: ``schedule()``, the stand-in model runner's output, the drafter's proposals.
-    Returns ``(scheduler_output, engine_outputs)``."""
+def step(scheduler, scheduler_output=None):
+    """One engine step: ``schedule()`` (unless ``scheduler_output`` is its result already), the stand-in
+    model runner's output, the drafter's proposals. Returns ``(scheduler_output, engine_outputs)``."""
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
-    scheduler_output = scheduler.schedule()
+    if scheduler_output is None:
+        scheduler_output = scheduler.schedule()
     req_ids = list(scheduler_output.num_scheduled_tokens)
     # A partial prefill chunk samples nothing; otherwise one token, every draft rejected.
     sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN_ID] for r in req_ids]
