@@ -1,0 +1,311 @@
+"""Soundness under load: random multi-request streams through vLLM 0.33's real ``Scheduler`` with
+``KVHIT_MODE=enforce``, every lookup checked.
+
+    python -m tests.adapter.soak [--lookups N] [--seed S] [--json OUT] [--table]     (make soak)
+
+Each stream runs on one of the modelled catalogue layouts of ``tests.adapter.serving.CASES`` (in turn),
+with a token budget of 2048 or 8192 and a KV pool that is either vLLM's default here (room for four
+requests of the model length) or 1.05 to 2 times what one request needs, so that the pool evicts and the
+scheduler preempts. Several streams run through one scheduler, as through a server
+(``Case.soak_streams``). A stream has two system prompts and 6 to 14 requests (``Case.soak_requests``): new prompts (a system prompt and a suffix), resends of earlier
+prompts, longer siblings (an earlier prompt and up to ``serving.LONGER_SIBLING`` tokens more) and
+divergent siblings (an earlier prompt cut and continued differently); each decodes 1 to
+``serving.MAX_DECODE`` tokens, and arrives 0 to 3 steps after the one before, some only once an earlier
+one finished, so that several are in flight at once.
+
+Every lookup the scheduler makes (``find_longest_cache_hit`` as kvhit's seam answers it) is checked
+(``serving.lookup_problems``): every block returned carries the request's hash at its position, every
+sliding-window block and Mamba state the hit relies on is a cached block (not a null block), and the hit
+is at most ``N - 1``; and the hit is ``refimpl``'s reference hit on the cache the pool held at that lookup.
+Counted besides: ``kvhit_enforce_fallbacks_total``, and first-repeat misses: a prompt served three times,
+each after the one before finished, whose first repeat hits less than its second; those with a block of
+the prompt evicted between the first serve and the first repeat are counted apart.
+
+Prints the seed, one summary line and, with ``--table``, a row per layout and condition. Exit status 1 on
+an unsound hit, a reference mismatch or a fallback. Deterministic for a seed (vLLM's scheduler is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+from tests.adapter import serving
+from tests.adapter.serving import LONGER_SIBLING, MAX_DECODE, Arrival
+
+DEFAULT_LOOKUPS = 100_000
+SOAKED = [name for name, case in serving.CASES.items() if case.soak_streams]
+DEFAULT_SEED = 17
+
+
+@dataclasses.dataclass
+class Row:
+    """Counts for one layout and condition (token budget, pool)."""
+
+    streams: int = 0
+    requests: int = 0
+    lookups: int = 0
+    unsound: int = 0
+    reference_mismatches: int = 0
+    fallbacks: int = 0
+    preemptions: int = 0
+    evictions: int = 0
+    first_repeats: int = 0
+    misses_evicted: int = 0
+    misses: int = 0  # first-repeat misses with no block of the prompt evicted
+
+
+def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arrival]:
+    """One random stream of requests (see the module docstring)."""
+    systems = [serving.tokens(rng, max(1, case.system + rng.randrange(-case.system // 4, case.system // 4)))
+               for _ in range(2)]
+    prompts: list[tuple[str, tuple]] = []  # (key, tokens), in order of first use
+    last_of: dict[str, str] = {}  # prompt key -> its latest request id
+    arrivals = []
+    for i in range(rng.randint(*case.soak_requests)):
+        what = rng.choices(("new", "resend", "longer", "diverge"), (35, 35, 15, 15))[0] if prompts else "new"
+        after: tuple = ()
+        if what == "new":
+            toks = tuple(rng.choice(systems) + serving.tokens(rng, rng.randint(*case.suffix)))
+        else:
+            key, base = rng.choice(prompts)
+            if what == "resend":
+                toks = base
+                if rng.random() < 0.6:
+                    after = (last_of[key],)
+            elif what == "longer":
+                toks = base + tuple(serving.tokens(rng, rng.randint(1, LONGER_SIBLING)))
+            else:
+                cut = rng.randint(len(base) // 3, len(base) - 1)
+                toks = base[:cut] + tuple(serving.tokens(rng, rng.randint(1, len(base) - cut + 500)))
+        toks = toks[:case.max_prompt]
+        key = next((k for k, t in prompts if t == toks), None)
+        if key is None:
+            key = f"{tag}/p{len(prompts)}"
+            prompts.append((key, toks))
+        rid = f"{tag}/r{i}"
+        if not after and rng.random() < 0.2 and arrivals:
+            after = (arrivals[-1].request_id,)
+        arrivals.append(Arrival(rid, key, toks, rng.randint(1, MAX_DECODE), after, rng.choice((0, 0, 1, 2, 3))))
+        last_of[key] = rid
+    return arrivals
+
+
+def first_repeat_misses(served: list[dict], hashes: dict, observer: serving.Observer) -> tuple[int, int, int]:
+    """``(first repeats checked, misses after an eviction of the prompt's blocks, other misses)``: prompts
+    served at least three times, each serve added after the one before finished."""
+    by_prompt = collections.defaultdict(list)
+    for s in served:
+        by_prompt[s["prompt"]].append(s)
+    checked = evicted = other = 0
+    for serves in by_prompt.values():
+        if len(serves) < 3:
+            continue
+        first, repeat, steady = serves[:3]
+        if not (repeat["added"] > first["finished"] and steady["added"] > repeat["finished"]):
+            continue
+        checked += 1
+        if repeat["num_cached_tokens"] < steady["num_cached_tokens"]:
+            lo = first["lookups"][0]["evictions"] if first["lookups"] else 0
+            hi = repeat["lookups"][-1]["evictions"] if repeat["lookups"] else observer.evictions
+            if observer.evicted_between(hashes[repeat["request_id"]], lo, hi):
+                evicted += 1
+            else:
+                other += 1
+    return checked, evicted, other
+
+
+class ReferenceCheck:
+    """Compares every enforced lookup's hit with ``refimpl``'s reference hit on the cache the pool held."""
+
+    def __init__(self, scheduler, case: serving.Case) -> None:
+        import kvhit.refimpl as R
+
+        run = {"kv_cache_groups": serving.describe_groups(scheduler), "scheduler": {
+            "dcp": scheduler.vllm_config.parallel_config.decode_context_parallel_size,
+            "prefix_match_unit": scheduler.vllm_config.cache_config.prefix_match_unit}}
+        self.R = R
+        self.layout = serving.planned_layout(run)
+        self.speculation = serving.speculation_of(case)
+        self.sizes = R.derive_sizes(self.layout, self.speculation)
+        self.scheduler = scheduler
+        self.mismatches: list[str] = []
+
+    def __call__(self, block_hashes, max_cache_hit_length: int, hit: int) -> None:
+        retained = serving.pool_boundaries(self.scheduler, block_hashes)
+        cache = [set.intersection(*(set(retained[m]) for m in sg.members)) for sg in self.sizes.groups]
+        want = self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1, cache, "reference")
+        if want != hit:
+            self.mismatches.append(f"N={max_cache_hit_length + 1} hit={hit} reference={want} pool={retained}")
+
+
+def fallbacks() -> float:
+    return serving.kvhit_counters().get("kvhit_enforce_fallbacks", 0.0)
+
+
+def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dict:
+    """Streams until ``lookups`` lookups were checked; returns the rows and the totals."""
+    rng = random.Random(seed)
+    cases = list(cases or SOAKED)
+    rows: dict[tuple, Row] = collections.defaultdict(Row)
+    unsound_examples: list[str] = []
+    started = time.monotonic()
+    total = 0
+    config = 0
+    with serving.Observer() as observer:
+        while total < lookups:
+            name = cases[config % len(cases)]
+            budget = serving.BUDGETS[(config // len(cases)) % len(serving.BUDGETS)]
+            case = serving.CASES[name]
+            pool = None if config % 3 == 0 else round(rng.uniform(1.05, 2.0), 2)
+            config += 1
+            condition = (name, budget, "default" if pool is None else "tight")
+            row = rows[condition]
+            scheduler, block_hasher = serving.build(case, models_dir, budget,
+                                                    serving.pool_blocks(case, models_dir, budget, pool))
+            observer.attach(scheduler)
+            reference = ReferenceCheck(scheduler, case)
+            observer.on_lookup = reference
+            before = (observer.lookups, len(observer.unsound), observer.evictions, fallbacks())
+            for k in range(case.soak_streams):
+                tag = f"c{config}s{k}"
+                hashes: dict = {}
+                served = serving.serve_stream(scheduler, block_hasher, random_stream(rng, case, tag), observer,
+                                              keep_hashes=hashes)
+                row.streams += 1
+                row.requests += len(served)
+                row.preemptions += sum(s["preemptions"] for s in served)
+                checked, evicted, other = first_repeat_misses(served, hashes, observer)
+                row.first_repeats += checked
+                row.misses_evicted += evicted
+                row.misses += other
+                if observer.lookups - before[0] + total >= lookups:
+                    break
+            row.lookups += observer.lookups - before[0]
+            row.unsound += len(observer.unsound) - before[1]
+            row.evictions += observer.evictions - before[2]
+            row.fallbacks += int(fallbacks() - before[3])
+            row.reference_mismatches += len(reference.mismatches)
+            unsound_examples += observer.unsound[before[1]:][:3] + reference.mismatches[:3]
+            observer.request_lookups.clear()
+            observer.evicted_at.clear()
+            total = observer.lookups
+    seconds = time.monotonic() - started
+    totals = Row()
+    for row in rows.values():
+        for field in dataclasses.fields(Row):
+            setattr(totals, field.name, getattr(totals, field.name) + getattr(row, field.name))
+    return {"seed": seed, "seconds": seconds, "totals": dataclasses.asdict(totals),
+            "rows": [{"layout": k[0], "budget": k[1], "pool": k[2], **dataclasses.asdict(v)}
+                     for k, v in sorted(rows.items())],
+            "examples": unsound_examples[:20]}
+
+
+def self_check(models_dir: str) -> dict:
+    """Shows that :func:`serving.lookup_problems` can fail: on a resend's lookup (full16, and qwen3next with
+    its Mamba state), the blocks as returned, and the same with one block replaced by another prompt's,
+    the hit raised to ``N``, full attention one block short, and (qwen3next) the Mamba state replaced by the
+    null block. ``{layout: {variant: problems}}``."""
+    from tests.adapter import scheduler_run
+
+    out = {}
+    for name in ("full16", "qwen3next-mtp2-drop"):
+        case = serving.CASES[name]
+        scheduler, block_hasher = serving.build(case, models_dir, 8192)
+        rng = random.Random(name)
+        p, q = (tuple(serving.tokens(rng, case.system + case.suffix[1])) for _ in range(2))
+        serving.serve_stream(scheduler, block_hasher, [Arrival("p", "p", p), Arrival("q", "q", q, after=("p",))])
+        coordinator = scheduler.kv_cache_manager.coordinator
+
+        def lookup(toks):
+            request = scheduler_run.new_request(f"probe-{len(toks)}", list(toks), block_hasher)
+            blocks, hit = coordinator.find_longest_cache_hit(request.block_hashes, len(toks) - 1)[:2]
+            return request.block_hashes, [list(g) for g in blocks], hit
+
+        hashes, blocks, hit = lookup(p)
+        other = lookup(q)[1]
+
+        def check(variant_blocks, variant_hit):
+            return serving.lookup_problems(coordinator, scheduler.hash_block_size, hashes, len(p) - 1,
+                                           variant_blocks, variant_hit)
+
+        swapped = [list(g) for g in blocks]
+        swapped[0][0] = other[0][0]
+        short = [list(g) for g in blocks]
+        short[0] = short[0][:-1]
+        variants = {"as returned": check(blocks, hit), "another prompt's block": check(swapped, hit),
+                    "hit N": check(blocks, len(p)), "full attention one block short": check(short, hit)}
+        if len(blocks) > 1:
+            nulled = [list(g) for g in blocks]
+            nulled[1][-1] = scheduler.kv_cache_manager.block_pool.null_block
+            variants["null Mamba state"] = check(nulled, hit)
+        out[name] = {"hit": hit, "variants": variants}
+    return out
+
+
+def summary(result: dict) -> str:
+    t = result["totals"]
+    return (f"soak: seed {result['seed']}: {t['lookups']} lookups checked in {result['seconds']:.1f} s "
+            f"({t['streams']} streams, {t['requests']} requests, {t['preemptions']} preemptions, "
+            f"{t['evictions']} evictions): {t['unsound']} unsound, {t['reference_mismatches']} reference "
+            f"mismatches, {t['fallbacks']} fallbacks; {t['first_repeats']} first repeats, "
+            f"{t['misses']} first-repeat misses ({t['misses_evicted']} more after an eviction of the prompt's "
+            f"blocks)")
+
+
+def table(result: dict) -> str:
+    head = (f"{'layout':26} {'budget':>6} {'pool':>7} {'streams':>7} {'lookups':>8} {'unsound':>7} {'ref':>4} "
+            f"{'fallb':>5} {'preempt':>7} {'evict':>7} {'repeats':>7} {'miss':>4} {'miss/ev':>7}")
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        lines.append(f"{r['layout']:26} {r['budget']:>6} {r['pool']:>7} {r['streams']:>7} {r['lookups']:>8} "
+                     f"{r['unsound']:>7} {r['reference_mismatches']:>4} {r['fallbacks']:>5} "
+                     f"{r['preemptions']:>7} {r['evictions']:>7} {r['first_repeats']:>7} {r['misses']:>4} "
+                     f"{r['misses_evicted']:>7}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lookups", type=int,
+                        default=int(os.environ.get("KVHIT_SOAK_LOOKUPS", DEFAULT_LOOKUPS)))
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("KVHIT_SOAK_SEED", DEFAULT_SEED)))
+    parser.add_argument("--case", action="append", help="only these layouts (serving.CASES)")
+    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--table", action="store_true", help="print a row per layout and condition")
+    parser.add_argument("--self-check", metavar="OUT", help="first write self_check()'s result here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("KVHIT_MODE", "enforce")
+    os.environ.setdefault("VLLM_PLUGINS", "kvhit")
+    print(f"soak: seed {args.seed}, {args.lookups} lookups, KVHIT_MODE={os.environ['KVHIT_MODE']}", flush=True)
+    serving.setup_environment()
+    with tempfile.TemporaryDirectory() as models_dir:
+        from tests.adapter import scheduler_run
+
+        scheduler_run.write_models(models_dir)
+        if args.self_check:
+            with open(args.self_check, "w") as f:
+                json.dump(self_check(models_dir), f, indent=1)
+        result = soak(args.lookups, args.seed, models_dir, args.case)
+    result["kvhit_counters"] = serving.kvhit_counters()
+    if args.table:
+        print(table(result))
+    for example in result["examples"]:
+        print("  unsound:", example)
+    print(summary(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    t = result["totals"]
+    return 1 if t["unsound"] or t["reference_mismatches"] or t["fallbacks"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
