@@ -120,13 +120,18 @@ def test_z3_reading_of_a_written_cache_matches_refimpl(setting, n, longer, polic
     _z3_matches_refimpl(setting, n, longer, policy, repeats)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(setting=gap_settings(), n=st.integers(1, 1500), longer=st.integers(1, 400),
-       policy=st.sampled_from(sorted(refimpl.POLICIES)), repeats=st.integers(0, 1))
-def test_z3_reading_of_a_cache_with_lost_blocks_matches_refimpl(setting, n, longer, policy, repeats):
-    """The same on layouts whose sliding window loses blocks before caching them (``Held.gaps``). Each
-    resend multiplies the gaps (pairwise intersections), so the terms grow fast: one resend here; more
-    are checked by plain loops against vLLM (tests/conformance)."""
+       policy=st.sampled_from(sorted(refimpl.POLICIES)))
+def test_z3_reading_of_a_cache_with_lost_blocks_matches_refimpl(setting, n, longer, policy):
+    """The same on layouts whose sliding window loses blocks before caching them (``Held.gaps``), after the
+    first request only. A resend intersects the gaps pairwise, and since the reference's scheduler also
+    stops at its retained Mamba states (up to 11 gap entries a group here, 9 under vLLM 0.33) one resend
+    made the derandomized run build terms for over 15 minutes (12 examples without it: 290 s; 6 here);
+    resends on these layouts are compared by
+    plain loops against vLLM, stock and patched (tests/conformance: test_write_side_matches_vllm's
+    gap layout, test_patched_vllm's write differential)."""
+    repeats = 0
     layout, speculation, sizes, interval = setting
     first = refimpl.request_writes(sizes, n, interval, refimpl.ALL_POLICIES[policy])
     assume(any(lo < hi for g in first for lo, hi in g.gaps))  # a block really is lost
