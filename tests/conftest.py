@@ -10,3 +10,11 @@ collect_ignore = ["e2e"]
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# The longest file first, so that under `make test`'s two workers (pytest-xdist, --dist loadfile) the rest
+# runs beside it rather than after it.
+FIRST = "test_make_prove.py"
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name != FIRST)  # stable: every other test keeps its order
