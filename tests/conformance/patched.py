@@ -115,18 +115,39 @@ def run_patched(core_dir: Path, *args: str, timeout: int = 900) -> subprocess.Co
 # ----------------------------------------------------------------------------------------------------
 
 
-def differential(count: int, policy: str) -> dict:
-    """Run ``count`` read-side scenarios against ``policy``; collect every mismatch."""
+def _draw(count: int, cases, random_share: float, strategy, quiet: dict, one) -> None:
+    """Run ``one`` on about ``count`` derandomized scenarios of ``strategy(layout, speculations)``: the
+    catalogue ``cases`` (each weighted as the conformance suite weighs it, ``HEAVY``) and a ``random_share``
+    of random layouts; the read and the write differential draw alike."""
     from dataclasses import replace
 
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given, settings
 
-    from kvhit.refimpl import policy_rules
     from kvhit.spec.catalogue import CATALOGUE
 
-    from .differential import Mismatch, Stats, run_scenario, to_refimpl
-    from .strategies import SPECULATIONS, random_layouts, scenarios
-    from .test_hit_tokens_matches_vllm import CASES, HEAVY, RANDOM_SHARE
+    from .differential import to_refimpl
+    from .strategies import SPECULATIONS, random_layouts
+    from .test_hit_tokens_matches_vllm import HEAVY
+
+    weights = [HEAVY.get(name, 1.0) for name, _, _ in cases]
+    for (name, dcp, mode), w in zip(cases, weights):
+        layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
+        specs = [s for s in SPECULATIONS if s.mode.value == mode]
+        examples = max(1, round(count * (1 - random_share) * w / sum(weights)))
+        settings(max_examples=examples, **quiet)(given(scenario=strategy(layout, specs))(one))()
+    examples = max(1, count - round(count * (1 - random_share)))
+    settings(max_examples=examples, **quiet)(given(scenario=random_layouts().flatmap(strategy))(one))()
+
+
+def differential(count: int, policy: str) -> dict:
+    """Run ``count`` read-side scenarios against ``policy``; collect every mismatch."""
+    from hypothesis import HealthCheck
+
+    from kvhit.refimpl import policy_rules
+
+    from .differential import Mismatch, Stats, run_scenario
+    from .strategies import scenarios
+    from .test_hit_tokens_matches_vllm import CASES, RANDOM_SHARE
 
     rules = policy_rules(policy)
     stats = Stats()
@@ -143,14 +164,7 @@ def differential(count: int, policy: str) -> dict:
         finally:
             stats.seconds += time.perf_counter() - start
 
-    weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
-    for (name, dcp, mode), w in zip(CASES, weights):
-        layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
-        specs = [s for s in SPECULATIONS if s.mode.value == mode]
-        examples = max(1, round(count * (1 - RANDOM_SHARE) * w / sum(weights)))
-        settings(max_examples=examples, **quiet)(given(scenario=scenarios(layout, specs))(one))()
-    examples = max(1, count - round(count * (1 - RANDOM_SHARE)))
-    settings(max_examples=examples, **quiet)(given(scenario=random_layouts().flatmap(scenarios))(one))()
+    _draw(count, CASES, RANDOM_SHARE, scenarios, quiet, one)
     return {"policy": policy, "scenarios": stats.scenarios, "rejected_by_both": stats.rejected_by_both,
             "lookups": stats.lookups, "positive_hits": stats.positive_hits,
             "crashes_predicted": stats.crashes_predicted, "stalls": stats.stalls,
@@ -251,16 +265,12 @@ def write_differential(count: int, policy: str) -> dict:
     """Run ``count`` write-side scenarios (those of :mod:`.test_write_side_matches_vllm`: its catalogue cases
     and random layouts in its proportions, then its pinned scenarios) against ``policy``; collect every
     mismatch."""
-    from dataclasses import replace
-
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck
 
     from kvhit.refimpl import policy_rules
-    from kvhit.spec.catalogue import CATALOGUE
 
-    from .differential import Mismatch, to_refimpl
-    from .strategies import SPECULATIONS, random_layouts, write_scenarios
-    from .test_hit_tokens_matches_vllm import HEAVY
+    from .differential import Mismatch
+    from .strategies import write_scenarios
     from .test_write_side_matches_vllm import CASES, PINNED, RANDOM_SHARE
     from .write_side import WriteStats, run_write_scenario
 
@@ -285,14 +295,7 @@ def write_differential(count: int, policy: str) -> dict:
         finally:
             stats.seconds += time.perf_counter() - start
 
-    weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
-    for (name, dcp, mode), w in zip(CASES, weights):
-        layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
-        specs = [s for s in SPECULATIONS if s.mode.value == mode]
-        examples = max(1, round(count * (1 - RANDOM_SHARE) * w / sum(weights)))
-        settings(max_examples=examples, **quiet)(given(scenario=write_scenarios(layout, specs))(one))()
-    examples = max(1, count - round(count * (1 - RANDOM_SHARE)))
-    settings(max_examples=examples, **quiet)(given(scenario=random_layouts().flatmap(write_scenarios))(one))()
+    _draw(count, CASES, RANDOM_SHARE, write_scenarios, quiet, one)
     for scenario in PINNED + [make() for make in FORMER_DIVERGENCES.values()]:
         one(scenario)
     counterexamples = {}
