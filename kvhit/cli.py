@@ -1,6 +1,6 @@
-"""The ``kvhit`` command: ``prove``, ``gen``, and the operator tools ``explain``, ``plan`` and ``status``.
+"""The ``kvhit`` command: ``prove``, ``gen``, ``diff``, and the operator tools ``explain``, ``plan`` and ``status``.
 
-``prove`` and ``gen`` need z3 and the spec; ``explain`` and ``plan`` use only the generated refimpl (and
+``prove``, ``gen`` and ``diff`` need z3 and the spec; ``explain`` and ``plan`` use only the generated refimpl (and
 the catalogue's data), so they run where neither z3 nor vLLM is installed (``explain --compare`` evaluates
 the claims of ``kvhit.proofs`` and so needs z3); ``status`` reads a running server's ``/metrics`` and the
 plugin's status file with the standard library.
@@ -13,7 +13,7 @@ import sys
 
 import kvhit
 
-COMMANDS = ("prove", "gen", "explain", "plan", "status")
+COMMANDS = ("prove", "gen", "diff", "explain", "plan", "status")
 OPERATOR_COMMANDS = ("explain", "plan", "status")
 
 
@@ -210,13 +210,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvhit", description="vLLM's prefix-cache hit length, checked")
     parser.add_argument("--version", action="version", version=version())
     parser.add_argument("command", choices=COMMANDS, help="prove: run every invariant; gen: regenerate "
-                        "refimpl/ from the spec; explain: derive one hit; plan: rank settings for a workload; "
+                        "refimpl/ from the spec; diff: where two policies' hits differ; explain: derive one hit; plan: rank settings for a workload; "
                         "status: what the vLLM plugin did on a running server")
     args, _ = parser.parse_known_args(argv[:1])
     if args.command == "prove":
         from kvhit.proofs.runner import main as prove
 
         return prove(argv[1:])
+    if args.command == "diff":
+        from kvhit.proofs.diff import main as diff
+
+        return diff(argv[1:])
     from kvhit.spec.codegen import main as gen
 
     return gen(argv[1:])

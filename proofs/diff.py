@@ -1,0 +1,267 @@
+"""``kvhit diff POLICY_A POLICY_B``: where two policies' hits can differ, decided by Z3.
+
+For every configuration of the default prove domain on a catalogue layout (``kvhit.spec.catalogue``; the
+speculative settings of :data:`kvhit.proofs.domains.SPECULATIONS` and, on the write side,
+:data:`~kvhit.proofs.domains.WRITE_SPECULATIONS`) one claim is checked:
+
+* read side (:func:`read_hits_agree`): on the arbitrary cache of the read-side invariants, the two hits
+  are equal for every prompt length and cache state;
+* write side (:func:`first_repeat_hits_agree`, the write-side configurations): after one request on an
+  empty cache, each policy under its own write side, the resend hits the same under both.
+
+A refuted claim is a difference, shrunk by :mod:`kvhit.proofs.findings`' minimisation (the least ``N``,
+then the fewest cached blocks), and its hits are those replayed through refimpl. Each check is a bounded
+query under the proofs' resource limits (:data:`kvhit.proofs.model.PORTFOLIO`): an undecided one is an
+error, never "identical".
+
+The two policies' hits are each the spec's ``hit_tokens`` under that policy's own sizes (a view of the
+context with the policy's rules, :func:`_under`); the rules the check itself is run with
+(:data:`~kvhit.spec.policy.VLLM_0_33`, which the minimisation of :mod:`kvhit.proofs.findings` checks under)
+only size the symbolic cache, and the claim never reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+
+from kvhit.spec.catalogue import CATALOGUE
+from kvhit.spec.domain import Kind, Mode
+from kvhit.spec.policy import ALL_POLICIES, VLLM_0_33, Rules
+from kvhit.spec.terms import and_, eq
+
+from . import findings
+from .domains import HEAVY, SPECULATIONS, read_configs, write_configs
+from .model import Config, Invariant, _rlimit_count, check, isolated_map, runs_needed
+
+READ = "read"
+FIRST_REPEAT = "first repeat"
+
+
+def _under(ctx, rules: Rules):
+    """``ctx`` (the same prompt, cache and symbols) seen under ``rules``: its sizes and hits are theirs."""
+    view = copy.copy(ctx)
+    view.rules = rules
+    return view
+
+
+def read_hits_agree(ctx, a: Rules, b: Rules):
+    """For every prompt length N >= 1 and cache state: hit_A == hit_B (each policy's hit_tokens on the
+    same cache, under its own sizes), wherever both hit computations converge."""
+    hits, converged = [], True
+    for rules in (a, b):
+        hit, _, _, ok = _under(ctx, rules).hit()
+        hits.append(ctx.show(f"hit {rules.name}", hit))
+        converged = and_(converged, ok)
+    return converged, eq(hits[0], hits[1])
+
+
+def first_repeat_hits_agree(ctx, a: Rules, b: Rules):
+    """For every N, after one request with prompt N has run on an empty cache and been cached under each
+    policy's own write side (retention interval R), a resend of the N tokens hits the same under A as
+    under B (hit_A(written_A(N)) == hit_B(written_B(N))), wherever both hit computations converge."""
+    hits, converged = [], True
+    for rules in (a, b):
+        view = _under(ctx, rules)
+        sizes = view.sizes()
+        groups = view.P.request_writes(sizes, ctx.n, ctx.config.retention, rules)
+        ctx.show(f"retained {rules.name}", tuple(g.points + g.ends for g in groups if g.kind in (Kind.MAMBA, Kind.SWA)))
+        hit, _, _, ok = view.P.hit_tokens(view.written(groups), sizes, ctx.n, rules)
+        hits.append(ctx.show(f"hit {rules.name}", hit))
+        converged = and_(converged, ok)
+    return converged, eq(hits[0], hits[1])
+
+
+def _per_hit(rules: Rules, config: Config) -> int:
+    """The cached runs one hit of ``rules`` relies on (:func:`kvhit.proofs.model.runs_needed`'s count)."""
+    return runs_needed(Invariant("one hit", read_hits_agree, "diff", witnesses=0), rules, config) - 1
+
+
+def claim(a: Rules, b: Rules, config: Config) -> Invariant:
+    """The claim that ``a`` and ``b`` hit alike on ``config``, as an invariant checked under
+    :data:`VLLM_0_33`: the symbolic cache gets the runs both hits rely on (one per lookup place of each,
+    plus the leading run), counted as witnesses beyond the one hit the check's own rules size."""
+    if config.write_side:
+        return Invariant(f"first_repeat_hits_agree[{a.name},{b.name}]",
+                         partial(first_repeat_hits_agree, a=a, b=b), "diff", write_side=True, witnesses=0)
+    extra = max(0, _per_hit(a, config) + _per_hit(b, config) - _per_hit(VLLM_0_33, config))
+    return Invariant(f"read_hits_agree[{a.name},{b.name}]", partial(read_hits_agree, a=a, b=b), "diff",
+                     witnesses=extra)
+
+
+def mode_of(config: Config) -> str:
+    """The speculative mode as ``kvhit prove`` labels it (``none``, ``lookahead Lp=2 mtp2``, ``drop Lp=1``)."""
+    return config.speculation.describe()
+
+
+def side_of(config: Config) -> str:
+    if not config.write_side:
+        return READ
+    return f"{FIRST_REPEAT} R={'dense' if config.retention is None else config.retention}"
+
+
+def domain(layouts=(), modes=()) -> list[Config]:
+    """The configurations diffed: the default prove domain's on catalogue layouts (at every DCP size it has),
+    speculation none, lookahead L = 1 and 2, drop (and, on the write side, drop with two MTP modules),
+    restricted to ``layouts`` (catalogue names) and ``modes`` (``none``, ``lookahead``, ``drop``) if given."""
+    catalogue = set(CATALOGUE) - set(HEAVY)
+    read = [c for c in read_configs() if c.speculation in SPECULATIONS]
+    out = [c for c in read + write_configs() if c.layout.name in catalogue]
+    if layouts:
+        out = [c for c in out if c.layout.name in layouts]
+    if modes:
+        out = [c for c in out if c.speculation.mode.value in modes]
+    return out
+
+
+@dataclass
+class Row:
+    """One configuration's answer: ``identical``, or the least ``N`` (then the fewest cached blocks on the
+    read side) where the two policies' hits differ, and both hits there."""
+
+    config: Config
+    identical: bool
+    policies: tuple
+    n: int | None = None
+    hits: dict | None = None
+    cache: dict | None = None
+    cached_blocks: int | None = None
+    retained: dict | None = None
+    seconds: float = 0.0
+    rlimit: int = 0
+
+    def as_json(self) -> dict:
+        out = {"layout": self.config.layout.name, "dcp": self.config.layout.dcp, "mode": mode_of(self.config),
+               "side": READ if not self.config.write_side else FIRST_REPEAT,
+               "retention": self.config.retention if self.config.write_side else None,
+               "identical": self.identical, "seconds": round(self.seconds, 3), "rlimit": self.rlimit}
+        if not self.identical:
+            out.update({"N": self.n, "hits": self.hits})
+            if self.config.write_side:
+                out["retained"] = self.retained
+            else:
+                out.update({"cached_blocks": self.cached_blocks, "cache": self.cache})
+        return out
+
+
+class Undecided(RuntimeError):
+    """A check Z3 did not decide within the resource limits (or whose counterexample did not replay)."""
+
+
+def diff_one(a: Rules, b: Rules, config: Config) -> Row:
+    """Decide whether ``a`` and ``b`` can hit differently on ``config``; the least difference if so."""
+    start, units = time.perf_counter(), _rlimit_count()
+    invariant = claim(a, b, config)
+    verdict, _, cex, _ = check(invariant, VLLM_0_33, config)
+    row = Row(config, verdict == "PROVED", (a.name, b.name))
+    if verdict not in ("PROVED", "REFUTED"):
+        raise Undecided(f"{config.label}: {verdict} {cex or ''}")
+    if verdict == "REFUTED":
+        try:
+            least = findings.smallest_counterexample(invariant, config, cex["N"])
+            least = findings.smallest_cache(invariant, config, least)
+        except RuntimeError as exc:  # a bounded check of the search was undecided
+            raise Undecided(str(exc)) from exc
+        shown = least["replayed"]
+        row.n = least["N"]
+        row.hits = {name: shown[f"hit {name}"] for name in row.policies}
+        if config.write_side:
+            row.retained = {name: shown[f"retained {name}"] for name in row.policies}
+        else:
+            row.cache, row.cached_blocks = least["cache"], findings.cached_blocks(least)
+    # every check of this configuration, the search's included (one process per configuration: :func:`diff`)
+    row.seconds, row.rlimit = time.perf_counter() - start, _rlimit_count() - units
+    return row
+
+
+_WORK: dict = {}  # what the forked workers read: the two policies and the configurations
+
+
+def _diff_task(index):
+    a, b, configs = _WORK["task"]
+    try:
+        return index, diff_one(a, b, configs[index]), None
+    except Exception as exc:  # reported by the parent, with the configuration
+        return index, None, f"{configs[index].label}: {type(exc).__name__}: {exc}"
+
+
+def diff(a: Rules, b: Rules, configs: list[Config], jobs: int | None = None) -> list[Row]:
+    """Every configuration's :class:`Row`, each decided in a process of its own (so its checks' resource
+    counts do not depend on what else ran: :func:`kvhit.proofs.model.isolated_map`)."""
+    _WORK["task"] = (a, b, configs)
+    try:
+        done = isolated_map(_diff_task, list(range(len(configs))), jobs or min(os.cpu_count() or 1, 4))
+    finally:
+        _WORK.clear()
+    errors = [error for _, _, error in sorted(done, key=lambda d: d[0]) if error]
+    if errors:
+        raise Undecided("; ".join(errors))
+    return [row for _, row, _ in sorted(done, key=lambda d: d[0])]
+
+
+def _cache_text(row: Row) -> str:
+    if row.config.write_side:
+        return "the cache each policy's first request left"
+    runs = [f"g{k}/u{item['unit']} [{s},{e})" for k, lists in sorted(row.cache.items()) for item in lists
+            for s, e in item["blocks"]]
+    count = row.cached_blocks
+    return f"{count} cached block{'s' if count != 1 else ''}{': ' if runs else ''}{' '.join(runs)}"
+
+
+def table(rows: list[Row]) -> str:
+    a, b = rows[0].policies if rows else ("A", "B")
+    lines = [f"{'layout':18} {'mode':20} {'side':20} {'N':>9} {a:>18} {b:>18}  cache", "-" * 130]
+    for r in rows:
+        layout = r.config.layout.name + (f" dcp{r.config.layout.dcp}" if r.config.layout.dcp > 1 else "")
+        head = f"{layout:18} {mode_of(r.config):20} {side_of(r.config):20}"
+        if r.identical:
+            lines.append(f"{head} {'identical':>9}")
+        else:
+            lines.append(f"{head} {r.n:>9} {r.hits[a]:>18} {r.hits[b]:>18}  {_cache_text(r)}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvhit diff", description="Where two policies' hits can differ, "
+                                     "per catalogue layout, speculative mode and side (decided by Z3); the "
+                                     "least prompt and cache where they do, with both hits")
+    parser.add_argument("policy_a", metavar="POLICY_A")
+    parser.add_argument("policy_b", metavar="POLICY_B")
+    parser.add_argument("--layout", action="append", default=[], metavar="NAME",
+                        help="only this catalogue layout, at every DCP size of the domain (repeatable)")
+    parser.add_argument("--mode", action="append", default=[], choices=[m.value for m in Mode],
+                        help="only this speculative mode (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPUs, at most 4)")
+    args = parser.parse_args(argv)
+    unknown = [p for p in (args.policy_a, args.policy_b) if p not in ALL_POLICIES]
+    if unknown:
+        parser.error(f"unknown policy {', '.join(unknown)}; known policies: {', '.join(ALL_POLICIES)}")
+    every = {c.layout.name for c in domain()}
+    bad = [name for name in args.layout if name not in every]
+    if bad:
+        parser.error(f"layout {', '.join(bad)} not in the diffed domain; known: {', '.join(sorted(every))}")
+    configs = domain(args.layout, args.mode)
+    if not configs:
+        parser.error("no configuration of the domain matches --layout and --mode")
+    start = time.perf_counter()
+    try:
+        rows = diff(ALL_POLICIES[args.policy_a], ALL_POLICIES[args.policy_b], configs, args.jobs)
+    except Undecided as exc:
+        print(f"kvhit diff: error: undecided: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([r.as_json() for r in rows], indent=1))
+    else:
+        print(table(rows))
+    differ = sum(not r.identical for r in rows)
+    print(f"{len(rows)} configurations, {differ} differ, {time.perf_counter() - start:.1f} s wall, "
+          f"{sum(r.seconds for r in rows):.1f} s of checks, rlimit {sum(r.rlimit for r in rows) / 1e6:.1f} M",
+          file=sys.stderr)
+    return 0
