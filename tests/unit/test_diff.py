@@ -1,0 +1,71 @@
+"""``kvhit diff``: where two policies' hits can differ (kvhit.proofs.diff).
+
+The expected numbers are the findings', not the command's: F2 (README's findings and docs/findings.md, "F2":
+full attention, block 16, drop mode, a resend of ``N = 32`` with its 2 blocks cached hits 0 under vLLM
+0.33's Unitary coordinator, 16 where the drop is taken past the candidate). The last test replays what the
+command prints on vLLM 0.33.0's own classes and on the patched copy of docs/upstream.
+"""
+
+import importlib.util
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvhit.cli import main as kvhit
+from kvhit.proofs.diff import READ, domain, diff
+from kvhit.spec.policy import REFERENCE, VLLM_0_33, VLLM_0_33_REPAIRED
+
+
+def _printed(capsys, *argv) -> list[dict]:
+    assert kvhit(["diff", *argv, "--json", "--jobs", "1"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_policy_is_identical_to_itself_on_every_setting_of_a_layout():
+    configs = domain(["full16"])
+    rows = diff(REFERENCE, REFERENCE, configs, jobs=1)
+    assert len(rows) == len(configs) >= 4 and all(r.identical for r in rows)
+
+
+def test_the_repairs_change_nothing_on_full_attention_without_the_drop():
+    # F2 is the only repair full attention at DCP 1 sees, and it acts on the EAGLE drop alone
+    rows = diff(VLLM_0_33, VLLM_0_33_REPAIRED, domain(["full16"], ["none", "lookahead"]), jobs=1)
+    assert rows and all(r.identical for r in rows)
+
+
+def test_f2_is_the_least_difference_of_vllm_0_33_and_its_repair_on_full16_drop(capsys):
+    rows = _printed(capsys, "vllm_0_33", "vllm_0_33_repaired", "--layout", "full16", "--mode", "drop")
+    row = next(r for r in rows if r["dcp"] == 1)
+    assert (row["side"], row["mode"], row["identical"]) == (READ, "drop Lp=1", False)
+    assert (row["N"], row["cached_blocks"]) == (32, 2)
+    assert row["hits"] == {"vllm_0_33": 0, "vllm_0_33_repaired": 16}
+
+
+def test_an_unknown_policy_is_refused_with_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        kvhit(["diff", "vllm_0_33", "vllm_0_32"])
+    err = capsys.readouterr().err
+    assert "unknown policy vllm_0_32" in err and "vllm_0_33_repaired" in err and "reference" in err
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or shutil.which("patch") is None,
+                                reason="needs vLLM 0.33.0 (make test installs it) and patch(1)")
+
+
+@needs_vllm
+def test_a_reported_difference_is_what_both_engines_hit(capsys, tmp_path):
+    """The rows ``kvhit diff vllm_0_33 vllm_0_33_repaired --layout full16 --mode drop`` prints (every DCP
+    size), replayed on stock vLLM 0.33.0 and on vLLM 0.33.0 with docs/upstream's patches."""
+    from tests.conformance.patched import patch_core
+    from tests.conformance.replay_cache import replay_rows
+
+    rows = [r for r in _printed(capsys, "vllm_0_33", "vllm_0_33_repaired", "--layout", "full16", "--mode", "drop")
+            if not r["identical"]]
+    assert rows
+    cores = (patch_core(tmp_path / "stock", patches=()), patch_core(tmp_path / "patched"))
+    with ThreadPoolExecutor(2) as pool:  # the two engines start up (most of the test's time) side by side
+        stock, patched = pool.map(lambda core: replay_rows(core, rows), cores)
+    assert stock == [r["hits"]["vllm_0_33"] for r in rows]
+    assert patched == [r["hits"]["vllm_0_33_repaired"] for r in rows]
