@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 1381a3fc857a693ba63f8c84f69257bf2b9e97b1cd1aa8f8a9728a08578a561c
-output-sha256: 9c2b218828274e0d6419842423064ba3765767e9dec83163114f8c5f6e1ef369
+spec-sha256: 605ea1dcea0685a474239a76ff87fc6c845f736427488aef5f7d4024df9de1c0
+output-sha256: eb4fafe5f04bf58efa743f857b2c034b212657567821edbe2817272562856ba3
 """
 
 import itertools
@@ -624,6 +624,10 @@ class Rules:
             a shorter prompt that shares a cached block reaching past its ``N - 1`` misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
+        mamba_inside_blocks: under ``Replay.RESUME`` a Mamba group read at hash granularity keeps a state
+            at each retained point inside a block too (the reference); otherwise vLLM's bookkeeping, one
+            state per Mamba block slot and one partial tail per request (``MambaManager``), which is what the
+            patched engine can do (:func:`~spec.retention.mamba_held`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -647,11 +651,12 @@ class Rules:
     drop_before_align: bool = False
     probe_past_max: bool = False
     record_junction: bool = True
+    mamba_inside_blocks: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, 'replay', Replay(self.replay))
         object.__setattr__(self, 'junction', Junction(self.junction))
-REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME)
+REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME, mamba_inside_blocks=True)
 VLLM_0_33 = Rules('vllm_0_33')
 HISTORICAL = Rules('historical', eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
 HISTORICAL_REPEAT_DROP = Rules('historical_repeat_drop', eagle_margin=False, drop_once=False)
@@ -1426,9 +1431,9 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     checkpoint is the resend's resume point (``boundaries[0]``), and the scheduler also ends a chunk at
     each retained state (``retained``, :func:`retained_stops`) and at every multiple of the interval (of
     ``max(A, b)`` when dense: ``next_mamba_state_boundary``) up to the extent, so those are states too: the
-    ``period``. Except a Mamba group read at hash granularity under ``RESUME``: it keeps a state at each
-    aligned boundary past ``start`` (inside a block too) and every unit when dense, which vLLM's bookkeeping
-    cannot (a known divergence, ``tests/conformance/patched.py``).
+    ``period``. With ``rules.mamba_inside_blocks`` (the reference), a Mamba group read at hash granularity
+    under ``RESUME`` keeps a state at each aligned boundary past ``start`` (inside a block too) and every
+    unit when dense, which vLLM's bookkeeping cannot.
     """
     sg = sizes.groups[k]
     b = sg.block
@@ -1437,7 +1442,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     top = group_extent(sizes, k, n_tokens, chunked=False)
     aligned = tuple((x // sizes.alignment * sizes.alignment for x in boundaries))
     resume = rules.replay == Replay.RESUME
-    if resume and unit < b:
+    if resume and unit < b and rules.mamba_inside_blocks:
         points = tuple((x if x > 0 and x > start and (x <= extent) else NO_STATE for x in aligned))
         every = interval is None or (interval == 0 and (not rules.sparse_zero))
         return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points, period=interval if interval is not None and interval > 0 else 0)

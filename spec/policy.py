@@ -87,6 +87,10 @@ class Rules:
             a shorter prompt that shares a cached block reaching past its ``N - 1`` misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
+        mamba_inside_blocks: under ``Replay.RESUME`` a Mamba group read at hash granularity keeps a state
+            at each retained point inside a block too (the reference); otherwise vLLM's bookkeeping, one
+            state per Mamba block slot and one partial tail per request (``MambaManager``), which is what the
+            patched engine can do (:func:`~spec.retention.mamba_held`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -111,13 +115,14 @@ class Rules:
     drop_before_align: bool = False
     probe_past_max: bool = False
     record_junction: bool = True
+    mamba_inside_blocks: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "replay", Replay(self.replay))
         object.__setattr__(self, "junction", Junction(self.junction))
 
 
-REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME)
+REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME, mamba_inside_blocks=True)
 VLLM_0_33 = Rules("vllm_0_33")
 HISTORICAL = Rules("historical", eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
 

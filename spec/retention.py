@@ -451,9 +451,9 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     checkpoint is the resend's resume point (``boundaries[0]``), and the scheduler also ends a chunk at
     each retained state (``retained``, :func:`retained_stops`) and at every multiple of the interval (of
     ``max(A, b)`` when dense: ``next_mamba_state_boundary``) up to the extent, so those are states too: the
-    ``period``. Except a Mamba group read at hash granularity under ``RESUME``: it keeps a state at each
-    aligned boundary past ``start`` (inside a block too) and every unit when dense, which vLLM's bookkeeping
-    cannot (a known divergence, ``tests/conformance/patched.py``).
+    ``period``. With ``rules.mamba_inside_blocks`` (the reference), a Mamba group read at hash granularity
+    under ``RESUME`` keeps a state at each aligned boundary past ``start`` (inside a block too) and every
+    unit when dense, which vLLM's bookkeeping cannot.
     """
     sg = sizes.groups[k]
     b = sg.block
@@ -463,11 +463,11 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     top = group_extent(sizes, k, n_tokens, chunked=False)
     aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
     resume = rules.replay == Replay.RESUME
-    if resume and unit < b:
+    if resume and unit < b and rules.mamba_inside_blocks:
         # Read at hash granularity: a state at every retained point, inside a block too (every unit when
-        # dense), which vLLM's one partial tail per request cannot keep (WRITE_DIVERGENCES,
-        # mamba_state_inside_a_block): modelled on vLLM's bookkeeping, a prompt sharing a prefix that ends
-        # inside a block would lose what a_shared_prefix_is_kept_at_the_junction claims.
+        # dense), which vLLM's one partial tail per request cannot keep. On vLLM's bookkeeping (below) a
+        # prompt sharing a prefix that ends inside a block resumes at the block end below it
+        # (a_shared_prefix_is_kept_at_the_junction fails for vllm_0_33_repaired on such layouts).
         points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_STATE) for x in aligned)
         every = interval is None or (interval == 0 and not rules.sparse_zero)
         return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points,
