@@ -13,7 +13,7 @@ from kvhit.proofs.domains import write_configs
 from kvhit.proofs.model import Config, ReplayContext
 from kvhit.proofs.retention import a_shared_prefix_is_kept_at_the_junction, reference_never_below_vllm
 from kvhit.spec.catalogue import CATALOGUE
-from kvhit.spec.domain import Speculation
+from kvhit.spec.domain import Mode, Speculation
 from kvhit.spec.policy import ALL_POLICIES
 
 CONFIGS = write_configs(extended=True)
@@ -76,3 +76,19 @@ def test_without_the_junction_a_shared_system_prompt_is_lost():
     for policy, hits in (("reference", (0, 4800)), ("without_junction", (0, 0))):
         holds, shown = _holds(reference_never_below_vllm, config, policy, values)
         assert (holds, shown["hits"], shown["vllm_0_33_hits"]) == (policy == "reference", hits, (0, 4800)), policy
+
+
+def test_on_mamba_read_at_hash_granularity_the_repaired_policy_loses_the_junction_inside_a_block():
+    """Where ``vllm_0_33_repaired`` gives less than the reference (``Rules.mamba_inside_blocks``): Qwen3-Next's
+    layout read at 160-token hash units (``qwen3next_pmu160``, blocks of 1600), MTP 2 in drop mode, dense
+    retention. A prompt of 4800 tokens, a second of 6400 sharing its first 3360, a third sharing those 3360.
+    Full attention holds whole blocks up to 3200 of the shared prefix (its partial tails lie past 3360), so
+    after the 160-token drop the third can hit at most 3040, which dense retention gives (a Mamba state every
+    160 tokens). vLLM's bookkeeping, which the patched engine keeps, holds Mamba states only at block ends
+    (1600, 3200) and one partial tail per request past the shared prefix: 1600. The reference keeps the state
+    at its junction inside the block: 3040."""
+    config = Config(CATALOGUE["qwen3next_pmu160"], Speculation(Mode.DROP, 2, multi_module_mtp=True), None)
+    values = {"N": 4800, "P": 3360, "N2_diverging": 6400, "N3": 6400}
+    for policy, third in (("reference", 3040), ("vllm_0_33_repaired", 1600), ("vllm_0_33", 1600)):
+        holds, shown = _holds(a_shared_prefix_is_kept_at_the_junction, config, policy, values)
+        assert (holds, shown) == (policy == "reference", {"third_hit": third, "third_hit_dense": 3040}), policy
