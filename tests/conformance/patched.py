@@ -11,12 +11,9 @@ copy (:func:`use_core`, before any of its submodules is imported) and runs
   COUNT scenarios in all; every mismatch is collected, not only the first, and a JSON summary is printed;
 * ``write-differential COUNT``: the write-side differential of :mod:`.write_side` (what the first request
   leaves, the resends' and siblings' hits) against a policy (default ``vllm_0_33_repaired``) over the cases
-  of :mod:`.test_write_side_matches_vllm`, COUNT scenarios and its pinned ones; every mismatch is collected
-  and a JSON summary printed. Against ``vllm_0_33_repaired``, a mismatch in a scenario of a known divergence
-  of the model (:data:`WRITE_DIVERGENCES`: what vLLM's engine cannot do, patched or not, or a defect of the patch) is
-  counted under its name instead, and each divergence's counterexample is run; the counterexamples of former
-  divergences (:data:`FORMER_DIVERGENCES`) are compared like the pinned scenarios; ``KVHIT_MISMATCH_LOG``
-  names a file for the full text of every other mismatch;
+  of :mod:`.test_write_side_matches_vllm`, COUNT scenarios and its pinned ones, and the counterexamples of
+  the divergences once found and since removed (:data:`FORMER_DIVERGENCES`); every mismatch is collected and
+  a JSON summary printed; ``KVHIT_MISMATCH_LOG`` names a file for the full text of every mismatch;
 * ``repro SCRIPT ...``: ``docs/repro`` scripts, one after another, each as ``python docs/repro/SCRIPT`` would
   run it (after a line ``script=SCRIPT``).
 
@@ -33,8 +30,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvhit.refimpl import Group, Layout, Speculation
@@ -189,60 +184,14 @@ def _scenario(layout, speculation, retention, n):
     return WriteScenario(layout, speculation, retention, n, (("resend",),), seed=n)
 
 
-@dataclass(frozen=True)
-class Divergence:
-    """Write-side scenarios where the patched engine does not do what ``vllm_0_33_repaired``'s write side
-    says, for a known reason: vLLM's engine cannot do it, patched or not (a rule of the model to change), or
-    the patch does something it should not (a defect of the patch, ``why`` says so; docs/upstream/README.md,
-    replay_at_resume.patch). A mismatching scenario that no divergence ``applies`` to is a mismatch of the
-    patch; ``counterexample`` (a :class:`.write_side.WriteScenario` built on demand) mismatches on the
-    patched engine, so an entry goes once the model or the patch changes."""
-
-    name: str
-    why: str
-    applies: Callable
-    counterexample: Callable
-
-
-def _resume_point_within_prefill_lookahead(scenario, sizes) -> bool:
-    from kvhit.refimpl import policy_rules, replay_boundaries
-
-    if sizes.prefill_lookahead < 2 or not any(sg.kind.value == "mamba" for sg in sizes.groups):
-        return False
-    n = scenario.n
-    return replay_boundaries(sizes, n, policy_rules("vllm_0_33_repaired"))[0] > n - sizes.prefill_lookahead
-
-
-def _state_inside_a_block(scenario, sizes) -> bool:
-    from kvhit.refimpl.policy import read_unit
-
-    return any(read_unit(sizes, k) < sg.block for k, sg in enumerate(sizes.groups) if sg.kind.value == "mamba")
-
-
-WRITE_DIVERGENCES = (
-    # Three entries of the model's were removed when it took up vLLM's bookkeeping (spec/retention.py); their
-    # counterexamples are FORMER_DIVERGENCES. The second one is the patch's.
-    Divergence("mamba_state_inside_a_block",
-               "a Mamba group read at hash granularity: the model keeps states inside a Mamba block (every hash "
-               "block when dense, each resume point); vLLM holds one state per block and one partial tail per "
-               "request. Modelled that way, a prompt sharing a prefix that ends inside a block resumes at the "
-               "block end below it, and the reference loses a_shared_prefix_is_kept_at_the_junction",
-               _state_inside_a_block,
-               lambda: _scenario("qwen3next_pmu160", Speculation("none"), 0, 4800)),
-    Divergence("mamba_partial_tail_within_prefill_lookahead",
-               "a defect of the patch, not of the model: the patch makes the resend's resume point the Mamba "
-               "prompt checkpoint even where it lies within Lp of the prompt end, where no chunk ends "
-               "(_reserve_prefill_lookahead); the caching call whose cacheable tokens end there "
-               "(_cache_partial_tail_block) keys the running state, after N tokens, at that point. The model "
-               "holds no state there", _resume_point_within_prefill_lookahead,
-               lambda: _scenario(Layout((Group("mamba", 32), Group("mamba", 128)), dcp=2),
-                                 Speculation("drop", 2, True), 384, 193)),
-)
-
-# The counterexamples of the divergences the model no longer has, compared on every write-differential run:
-# mamba_dense_below_alignment (dense retention stops every max(A, b) tokens, mamba_held),
-# mamba_state_within_prefill_lookahead (no Mamba state within Lp of the prompt end, group_extent) and
-# decoded_tail_past_the_token_limit (partial_tail_boundary's token limit, decoded_tail).
+# The counterexamples of the divergences between the patched engine and the model once found here and since
+# removed, compared on every write-differential run. Four were the model's: mamba_dense_below_alignment (dense
+# retention stops every max(A, b) tokens, mamba_held), mamba_state_within_prefill_lookahead (no Mamba state
+# within Lp of the prompt end, group_extent), decoded_tail_past_the_token_limit (partial_tail_boundary's token
+# limit, decoded_tail) and mamba_state_inside_a_block (a Mamba group read at hash granularity: vllm_0_33_repaired
+# keeps vLLM's one partial tail per request, Rules.mamba_inside_blocks). One was the patch's:
+# mamba_partial_tail_within_prefill_lookahead (MambaManager.cache_blocks keys no prompt checkpoint within the
+# prefill lookahead of the prompt end, where no chunk ends and the running state is the whole prompt's).
 FORMER_DIVERGENCES = {
     "mamba_dense_below_alignment": lambda: _scenario(Layout((Group("full", 64), Group("mamba", 16))),
                                                      Speculation("drop", 1), None, 241),
@@ -250,21 +199,16 @@ FORMER_DIVERGENCES = {
     "decoded_tail_past_the_token_limit": lambda: _scenario(
         Layout((Group("mamba", 32), Group("full", 32)), dcp=2, prefix_match_unit=32), Speculation("drop", 2, True),
         128, 127),
+    "mamba_state_inside_a_block": lambda: _scenario("qwen3next_pmu160", Speculation("none"), 0, 4800),
+    "mamba_partial_tail_within_prefill_lookahead": lambda: _scenario(
+        Layout((Group("mamba", 32), Group("mamba", 128)), dcp=2), Speculation("drop", 2, True), 384, 193),
 }
-
-
-def known_divergence(scenario) -> str | None:
-    """The first :data:`WRITE_DIVERGENCES` entry that applies to ``scenario``, by name."""
-    from kvhit.refimpl import derive_sizes
-
-    sizes = derive_sizes(scenario.layout, scenario.speculation)
-    return next((d.name for d in WRITE_DIVERGENCES if d.applies(scenario, sizes)), None)
 
 
 def write_differential(count: int, policy: str) -> dict:
     """Run ``count`` write-side scenarios (those of :mod:`.test_write_side_matches_vllm`: its catalogue cases
-    and random layouts in its proportions, then its pinned scenarios) against ``policy``; collect every
-    mismatch."""
+    and random layouts in its proportions, then its pinned scenarios and :data:`FORMER_DIVERGENCES`) against
+    ``policy``; collect every mismatch."""
     from hypothesis import HealthCheck
 
     from kvhit.refimpl import policy_rules
@@ -277,7 +221,6 @@ def write_differential(count: int, policy: str) -> dict:
     rules = policy_rules(policy)
     stats = WriteStats()
     mismatches: list[str] = []
-    divergences: Counter = Counter()
     quiet = dict(deadline=None, database=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                         HealthCheck.filter_too_much])
@@ -287,25 +230,13 @@ def write_differential(count: int, policy: str) -> dict:
         try:
             run_write_scenario(scenario, stats, rules=rules)
         except Mismatch as e:
-            known = known_divergence(scenario) if policy == "vllm_0_33_repaired" else None
-            if known is None:
-                mismatches.append(str(e))
-            else:
-                divergences[known] += 1
+            mismatches.append(str(e))
         finally:
             stats.seconds += time.perf_counter() - start
 
     _draw(count, CASES, RANDOM_SHARE, write_scenarios, quiet, one)
     for scenario in PINNED + [make() for make in FORMER_DIVERGENCES.values()]:
         one(scenario)
-    counterexamples = {}
-    if policy == "vllm_0_33_repaired":
-        for d in WRITE_DIVERGENCES:
-            try:
-                run_write_scenario(d.counterexample(), WriteStats(), rules=rules)
-                counterexamples[d.name] = "match"
-            except Mismatch:
-                counterexamples[d.name] = "mismatch"
     if os.environ.get("KVHIT_MISMATCH_LOG"):
         Path(os.environ["KVHIT_MISMATCH_LOG"]).write_text("\n\n".join(mismatches))
     return {"policy": policy, "scenarios": stats.scenarios, "retained_groups": stats.retained_groups,
@@ -313,7 +244,6 @@ def write_differential(count: int, policy: str) -> dict:
             "crashes_predicted": stats.crashes_predicted, "stalls": stats.stalls,
             "below_dense": stats.below_dense, "seconds": round(stats.seconds, 1),
             "by_layout": dict(stats.by_layout), "by_mode": dict(stats.by_mode),
-            "known_divergences": dict(divergences), "divergence_counterexamples": counterexamples,
             "mismatches": len(mismatches),
             "first_mismatches": mismatches[:5], "mismatch_kinds": dict(Counter(" / ".join(m.splitlines()[:2]).split("[")[0] + " " + m.splitlines()[0]
                                            for m in mismatches))}
