@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvhit.spec.catalogue import CATALOGUE
-from kvhit.spec.domain import Kind, Mode
+from kvhit.spec.domain import Mode
 from kvhit.spec.policy import ALL_POLICIES, VLLM_0_33, Rules
 from kvhit.spec.terms import and_, eq
 
@@ -51,31 +51,35 @@ def _under(ctx, rules: Rules):
     return view
 
 
+def _hit(ctx, rules: Rules, cache):
+    """``(hit, converged)`` of ``rules`` on ``cache`` (the spec's ``hit_tokens`` under the policy's own
+    sizes), showing the hit and whether a lookup read past the request's hashes (IndexError in vLLM: F1)."""
+    view = _under(ctx, rules)
+    sizes = view.sizes()
+    hit, reach, _, converged = view.P.hit_tokens(cache, sizes, ctx.n, rules)
+    ctx.show(f"hit {rules.name}", hit)
+    ctx.show(f"past hashes {rules.name}", reach > view.P.num_hashes(sizes, ctx.n) * sizes.hash_block)
+    return hit, converged
+
+
 def read_hits_agree(ctx, a: Rules, b: Rules):
     """For every prompt length N >= 1 and cache state: hit_A == hit_B (each policy's hit_tokens on the
     same cache, under its own sizes), wherever both hit computations converge."""
-    hits, converged = [], True
-    for rules in (a, b):
-        hit, _, _, ok = _under(ctx, rules).hit()
-        hits.append(ctx.show(f"hit {rules.name}", hit))
-        converged = and_(converged, ok)
-    return converged, eq(hits[0], hits[1])
+    (hit_a, ok_a), (hit_b, ok_b) = (_hit(ctx, rules, ctx.cache) for rules in (a, b))
+    return and_(ok_a, ok_b), eq(hit_a, hit_b)
 
 
 def first_repeat_hits_agree(ctx, a: Rules, b: Rules):
     """For every N, after one request with prompt N has run on an empty cache and been cached under each
     policy's own write side (retention interval R), a resend of the N tokens hits the same under A as
     under B (hit_A(written_A(N)) == hit_B(written_B(N))), wherever both hit computations converge."""
-    hits, converged = [], True
+    hits = []
     for rules in (a, b):
         view = _under(ctx, rules)
-        sizes = view.sizes()
-        groups = view.P.request_writes(sizes, ctx.n, ctx.config.retention, rules)
-        ctx.show(f"retained {rules.name}", tuple(g.points + g.ends for g in groups if g.kind in (Kind.MAMBA, Kind.SWA)))
-        hit, _, _, ok = view.P.hit_tokens(view.written(groups), sizes, ctx.n, rules)
-        hits.append(ctx.show(f"hit {rules.name}", hit))
-        converged = and_(converged, ok)
-    return converged, eq(hits[0], hits[1])
+        written = view.written(view.P.request_writes(view.sizes(), ctx.n, ctx.config.retention, rules))
+        hits.append(_hit(ctx, rules, written))
+    (hit_a, ok_a), (hit_b, ok_b) = hits
+    return and_(ok_a, ok_b), eq(hit_a, hit_b)
 
 
 def _per_hit(rules: Rules, config: Config) -> int:
@@ -132,7 +136,7 @@ class Row:
     hits: dict | None = None
     cache: dict | None = None
     cached_blocks: int | None = None
-    retained: dict | None = None
+    past_hashes: tuple = ()  # the policies whose lookups read past the hashes there (IndexError in vLLM)
     seconds: float = 0.0
     rlimit: int = 0
 
@@ -142,10 +146,8 @@ class Row:
                "retention": self.config.retention if self.config.write_side else None,
                "identical": self.identical, "seconds": round(self.seconds, 3), "rlimit": self.rlimit}
         if not self.identical:
-            out.update({"N": self.n, "hits": self.hits})
-            if self.config.write_side:
-                out["retained"] = self.retained
-            else:
+            out.update({"N": self.n, "hits": self.hits, "reads_past_hashes": list(self.past_hashes)})
+            if not self.config.write_side:
                 out.update({"cached_blocks": self.cached_blocks, "cache": self.cache})
         return out
 
@@ -171,9 +173,8 @@ def diff_one(a: Rules, b: Rules, config: Config) -> Row:
         shown = least["replayed"]
         row.n = least["N"]
         row.hits = {name: shown[f"hit {name}"] for name in row.policies}
-        if config.write_side:
-            row.retained = {name: shown[f"retained {name}"] for name in row.policies}
-        else:
+        row.past_hashes = tuple(name for name in row.policies if shown[f"past hashes {name}"])
+        if not config.write_side:
             row.cache, row.cached_blocks = least["cache"], findings.cached_blocks(least)
     # every check of this configuration, the search's included (one process per configuration: :func:`diff`)
     row.seconds, row.rlimit = time.perf_counter() - start, _rlimit_count() - units
@@ -206,8 +207,8 @@ def diff(a: Rules, b: Rules, configs: list[Config], jobs: int | None = None) -> 
 
 
 def _cache_text(row: Row) -> str:
-    if row.config.write_side:
-        return "the cache each policy's first request left"
+    if row.config.write_side:  # `kvhit explain LAYOUT N --cache written` shows it
+        return "what each policy's own write side left after one request of N tokens"
     runs = [f"g{k}/u{item['unit']} [{s},{e})" for k, lists in sorted(row.cache.items()) for item in lists
             for s, e in item["blocks"]]
     count = row.cached_blocks
@@ -223,7 +224,11 @@ def table(rows: list[Row]) -> str:
         if r.identical:
             lines.append(f"{head} {'identical':>9}")
         else:
-            lines.append(f"{head} {r.n:>9} {r.hits[a]:>18} {r.hits[b]:>18}  {_cache_text(r)}")
+            hit_a, hit_b = (f"{r.hits[p]}{' (past |H|*h)' if p in r.past_hashes else ''}" for p in (a, b))
+            lines.append(f"{head} {r.n:>9} {hit_a:>18} {hit_b:>18}  {_cache_text(r)}")
+    if any(r.past_hashes for r in rows):
+        lines.append("(past |H|*h): a lookup read a block boundary past the request's hashes, where vLLM raises "
+                     "IndexError (F1)")
     return "\n".join(lines)
 
 

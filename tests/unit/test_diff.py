@@ -40,7 +40,7 @@ def test_f2_is_the_least_difference_of_vllm_0_33_and_its_repair_on_full16_drop(c
     row = next(r for r in rows if r["dcp"] == 1)
     assert (row["side"], row["mode"], row["identical"]) == (READ, "drop Lp=1", False)
     assert (row["N"], row["cached_blocks"]) == (32, 2)
-    assert row["hits"] == {"vllm_0_33": 0, "vllm_0_33_repaired": 16}
+    assert row["hits"] == {"vllm_0_33": 0, "vllm_0_33_repaired": 16} and row["reads_past_hashes"] == []
 
 
 def test_an_unknown_policy_is_refused_with_the_known_ones(capsys):
@@ -56,16 +56,20 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or shut
 
 @needs_vllm
 def test_a_reported_difference_is_what_both_engines_hit(capsys, tmp_path):
-    """The rows ``kvhit diff vllm_0_33 vllm_0_33_repaired --layout full16 --mode drop`` prints (every DCP
-    size), replayed on stock vLLM 0.33.0 and on vLLM 0.33.0 with docs/upstream's patches."""
+    """The read-side rows ``kvhit diff vllm_0_33 vllm_0_33_repaired`` prints for full16 in drop mode (F2, at
+    every DCP size) and chunked64 with lookahead (F1: vLLM 0.33 reads past the hashes), replayed on stock vLLM
+    0.33.0 and on vLLM 0.33.0 with docs/upstream's patches: each engine hits what the row says its policy
+    does, and raises IndexError where the row says its lookups read past the hashes."""
     from tests.conformance.patched import patch_core
     from tests.conformance.replay_cache import replay_rows
 
     rows = [r for r in _printed(capsys, "vllm_0_33", "vllm_0_33_repaired", "--layout", "full16", "--mode", "drop")
+            + _printed(capsys, "vllm_0_33", "vllm_0_33_repaired", "--layout", "chunked64", "--mode", "lookahead")
             if not r["identical"]]
-    assert rows
+    assert [r["layout"] for r in rows] == ["full16"] * 4 + ["chunked64"]
+    assert rows[-1]["reads_past_hashes"] == ["vllm_0_33"]
     cores = (patch_core(tmp_path / "stock", patches=()), patch_core(tmp_path / "patched"))
     with ThreadPoolExecutor(2) as pool:  # the two engines start up (most of the test's time) side by side
         stock, patched = pool.map(lambda core: replay_rows(core, rows), cores)
-    assert stock == [r["hits"]["vllm_0_33"] for r in rows]
-    assert patched == [r["hits"]["vllm_0_33_repaired"] for r in rows]
+    for got, policy in ((stock, "vllm_0_33"), (patched, "vllm_0_33_repaired")):
+        assert got == ["IndexError" if policy in r["reads_past_hashes"] else r["hits"][policy] for r in rows], policy
