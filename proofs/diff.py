@@ -153,7 +153,8 @@ class Row:
 
 
 class Undecided(RuntimeError):
-    """A check Z3 did not decide within the resource limits (or whose counterexample did not replay)."""
+    """A configuration left undecided: a check Z3 did not decide within the resource limits, a counterexample
+    that did not replay through refimpl, or an error of the spec on it."""
 
 
 def diff_one(a: Rules, b: Rules, config: Config) -> Row:
@@ -163,7 +164,8 @@ def diff_one(a: Rules, b: Rules, config: Config) -> Row:
     verdict, _, cex, _ = check(invariant, VLLM_0_33, config)
     row = Row(config, verdict == "PROVED", (a.name, b.name))
     if verdict not in ("PROVED", "REFUTED"):
-        raise Undecided(f"{config.label}: {verdict} {cex or ''}")
+        raise Undecided(f"{config.label}: {verdict} (within the resource limits of proofs/model.py::PORTFOLIO) "
+                        f"{cex or ''}")
     if verdict == "REFUTED":
         try:
             least = findings.smallest_counterexample(invariant, config, cex["N"])
@@ -251,7 +253,8 @@ def main(argv=None) -> int:
     every = {c.layout.name for c in domain()}
     bad = [name for name in args.layout if name not in every]
     if bad:
-        parser.error(f"layout {', '.join(bad)} not in the diffed domain; known: {', '.join(sorted(every))}")
+        parser.error(f"layout {', '.join(bad)} not in the diffed domain (the catalogue layouts of the default "
+                     f"prove domain; proofs/domains.py::HEAVY are --extended only): {', '.join(sorted(every))}")
     configs = domain(args.layout, args.mode)
     if not configs:
         parser.error("no configuration of the domain matches --layout and --mode")
@@ -259,7 +262,7 @@ def main(argv=None) -> int:
     try:
         rows = diff(ALL_POLICIES[args.policy_a], ALL_POLICIES[args.policy_b], configs, args.jobs)
     except Undecided as exc:
-        print(f"kvhit diff: error: undecided: {exc}", file=sys.stderr)
+        print(f"kvhit diff: error: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps([r.as_json() for r in rows], indent=1))

@@ -73,3 +73,13 @@ def test_a_reported_difference_is_what_both_engines_hit(capsys, tmp_path):
         stock, patched = pool.map(lambda core: replay_rows(core, rows), cores)
     for got, policy in ((stock, "vllm_0_33"), (patched, "vllm_0_33_repaired")):
         assert got == ["IndexError" if policy in r["reads_past_hashes"] else r["hits"][policy] for r in rows], policy
+
+
+def test_an_undecided_check_is_an_error_not_identical(monkeypatch):
+    from kvhit.proofs import diff as diff_module
+    from kvhit.proofs import model
+
+    monkeypatch.setattr(model, "PORTFOLIO", ((2, 1),))  # one resource unit: no check is decided
+    config = domain(["gemma"], ["drop"])[0]
+    with pytest.raises(diff_module.Undecided, match="UNKNOWN"):
+        diff_module.diff_one(VLLM_0_33, REFERENCE, config)
