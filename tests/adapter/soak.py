@@ -7,16 +7,18 @@ Each stream runs on one of the modelled catalogue layouts of ``tests.adapter.ser
 with a token budget of 2048 or 8192 and a KV pool that is either vLLM's default here (room for four
 requests of the model length) or 1.05 to 2 times what one request needs, so that the pool evicts and the
 scheduler preempts. Several streams run through one scheduler, as through a server
-(``Case.soak_streams``). A stream has two system prompts and 6 to 14 requests (``Case.soak_requests``): new prompts (a system prompt and a suffix), resends of earlier
-prompts, longer siblings (an earlier prompt and up to ``serving.LONGER_SIBLING`` tokens more) and
-divergent siblings (an earlier prompt cut and continued differently); each decodes 1 to
-``serving.MAX_DECODE`` tokens, and arrives 0 to 3 steps after the one before, some only once an earlier
-one finished, so that several are in flight at once.
+(``Case.soak_streams``). A stream has two system prompts and 6 to 14 requests (``Case.soak_requests``):
+new prompts (a system prompt and a suffix), resends of earlier prompts, longer siblings (an earlier prompt
+and up to ``serving.LONGER_SIBLING`` tokens more) and divergent siblings (an earlier prompt cut and
+continued differently); each decodes 1 to ``serving.MAX_DECODE`` tokens, and arrives 0 to 3 steps after
+the one before, some only once an earlier one finished, so that several are in flight at once.
 
 Every lookup the scheduler makes (``find_longest_cache_hit`` as kvhit's seam answers it) is checked
 (``serving.lookup_problems``): every block returned carries the request's hash at its position, every
 sliding-window block and Mamba state the hit relies on is a cached block (not a null block), and the hit
-is at most ``N - 1``; and the hit is ``refimpl``'s reference hit on the cache the pool held at that lookup.
+is at most ``N - 1``; and the hit is ``refimpl``'s reference hit on the cache the pool held at that lookup
+(the generic ``refimpl.hit``, asking the pool only the boundaries it reads: :class:`ReferenceCheck`). A
+run fails outright if it checked fewer lookups than kvhit enforced (the observer would have been bypassed).
 Counted besides: ``kvhit_enforce_fallbacks_total``, and first-repeat misses: a prompt served three times,
 each after the one before finished, whose first repeat hits less than its second; those with a block of
 the prompt evicted between the first serve and the first repeat are counted apart.
@@ -36,6 +38,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from tests.adapter import serving
 from tests.adapter.serving import LONGER_SIBLING, MAX_DECODE, Arrival
@@ -62,9 +65,18 @@ class Row:
     misses: int = 0  # first-repeat misses with no block of the prompt evicted
 
 
+TOKEN_IDS = range(3, 512)  # the ids serving.tokens draws (the stand-in model runner samples 0 and drafts 1)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    """``n`` prompt tokens from :data:`TOKEN_IDS`: ``serving.tokens``' ids, drawn by ``random.choices``,
+    several times faster than its ``randrange`` per token, which was a fifth of a soak's time."""
+    return rng.choices(TOKEN_IDS, k=n)
+
+
 def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arrival]:
     """One random stream of requests (see the module docstring)."""
-    systems = [serving.tokens(rng, max(1, case.system + rng.randrange(-case.system // 4, case.system // 4)))
+    systems = [tokens(rng, max(1, case.system + rng.randrange(-case.system // 4, case.system // 4)))
                for _ in range(2)]
     prompts: list[tuple[str, tuple]] = []  # (key, tokens), in order of first use
     last_of: dict[str, str] = {}  # prompt key -> its latest request id
@@ -73,7 +85,7 @@ def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arri
         what = rng.choices(("new", "resend", "longer", "diverge"), (35, 35, 15, 15))[0] if prompts else "new"
         after: tuple = ()
         if what == "new":
-            toks = tuple(rng.choice(systems) + serving.tokens(rng, rng.randint(*case.suffix)))
+            toks = tuple(rng.choice(systems) + tokens(rng, rng.randint(*case.suffix)))
         else:
             key, base = rng.choice(prompts)
             if what == "resend":
@@ -81,10 +93,10 @@ def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arri
                 if rng.random() < 0.6:
                     after = (last_of[key],)
             elif what == "longer":
-                toks = base + tuple(serving.tokens(rng, rng.randint(1, LONGER_SIBLING)))
+                toks = base + tuple(tokens(rng, rng.randint(1, LONGER_SIBLING)))
             else:
                 cut = rng.randint(len(base) // 3, len(base) - 1)
-                toks = base[:cut] + tuple(serving.tokens(rng, rng.randint(1, len(base) - cut + 500)))
+                toks = base[:cut] + tuple(tokens(rng, rng.randint(1, len(base) - cut + 500)))
         toks = toks[:case.max_prompt]
         key = next((k for k, t in prompts if t == toks), None)
         if key is None:
@@ -139,11 +151,31 @@ class ReferenceCheck:
         self.mismatches: list[str] = []
 
     def __call__(self, block_hashes, max_cache_hit_length: int, hit: int) -> None:
-        retained = serving.pool_boundaries(self.scheduler, block_hashes)
-        cache = [set.intersection(*(set(retained[m]) for m in sg.members)) for sg in self.sizes.groups]
-        want = self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1, cache, "reference")
+        want = self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1,
+                          self.R.CacheState(self.pool_oracle(block_hashes)), "reference")
         if want != hit:
+            retained = serving.pool_boundaries(self.scheduler, block_hashes)
             self.mismatches.append(f"N={max_cache_hit_length + 1} hit={hit} reference={want} pool={retained}")
+
+    def pool_oracle(self, block_hashes) -> Callable[[int, int], bool]:
+        """``has(k, x)``: whether the pool holds the request's block hash ending at ``x`` for every KV-cache
+        group of spec group ``k``. The same cache as the boundary sets of :func:`serving.pool_boundaries`
+        intersected over the spec group's members, asked only for the boundaries the reference reads (the
+        pool does not change during a lookup; answers are memoised)."""
+        get_cached_block = self.scheduler.kv_cache_manager.block_pool.get_cached_block
+        h = self.scheduler.hash_block_size
+        members = [sg.members for sg in self.sizes.groups]
+        asked: dict[tuple[int, int], bool] = {}
+
+        def has(k: int, x: int) -> bool:
+            found = asked.get((k, x))
+            if found is None:
+                j, rest = divmod(x, h)
+                found = asked[k, x] = (not rest and 0 < j <= len(block_hashes) and all(
+                    get_cached_block(block_hashes[j - 1], [m]) is not None for m in members[k]))
+            return found
+
+        return has
 
 
 def fallbacks() -> float:
@@ -159,44 +191,53 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
     started = time.monotonic()
     total = 0
     config = 0
-    with serving.Observer() as observer:
-        while total < lookups:
-            name = cases[config % len(cases)]
-            budget = serving.BUDGETS[(config // len(cases)) % len(serving.BUDGETS)]
-            case = serving.CASES[name]
-            pool = None if config % 3 == 0 else round(rng.uniform(1.05, 2.0), 2)
-            config += 1
-            condition = (name, budget, "default" if pool is None else "tight")
-            row = rows[condition]
-            scheduler, block_hasher = serving.build(case, models_dir, budget,
-                                                    serving.pool_blocks(case, models_dir, budget, pool))
+    while total < lookups:
+        name = cases[config % len(cases)]
+        budget = serving.BUDGETS[(config // len(cases)) % len(serving.BUDGETS)]
+        case = serving.CASES[name]
+        pool = None if config % 3 == 0 else round(rng.uniform(1.05, 2.0), 2)
+        config += 1
+        condition = (name, budget, "default" if pool is None else "tight")
+        row = rows[condition]
+        # Sized before the observer wraps the lookups: pool_blocks sizes a pool on stock vLLM (it uninstalls
+        # and reinstalls kvhit), and kvhit's uninstall puts vLLM's originals back over any wrapper, so an
+        # observer entered earlier would stop seeing lookups and the soak would check none.
+        num_gpu_blocks = serving.pool_blocks(case, models_dir, budget, pool)
+        with serving.Observer() as observer:
+            scheduler, block_hasher = serving.build(case, models_dir, budget, num_gpu_blocks)
             observer.attach(scheduler)
             reference = ReferenceCheck(scheduler, case)
             observer.on_lookup = reference
-            before = (observer.lookups, len(observer.unsound), observer.evictions, fallbacks())
+            before = serving.kvhit_counters()
+            requests = 0
             for k in range(case.soak_streams):
                 tag = f"c{config}s{k}"
                 hashes: dict = {}
                 served = serving.serve_stream(scheduler, block_hasher, random_stream(rng, case, tag), observer,
                                               keep_hashes=hashes)
+                requests += len(served)
                 row.streams += 1
-                row.requests += len(served)
                 row.preemptions += sum(s["preemptions"] for s in served)
                 checked, evicted, other = first_repeat_misses(served, hashes, observer)
                 row.first_repeats += checked
                 row.misses_evicted += evicted
                 row.misses += other
-                if observer.lookups - before[0] + total >= lookups:
+                if observer.lookups + total >= lookups:
                     break
-            row.lookups += observer.lookups - before[0]
-            row.unsound += len(observer.unsound) - before[1]
-            row.evictions += observer.evictions - before[2]
-            row.fallbacks += int(fallbacks() - before[3])
-            row.reference_mismatches += len(reference.mismatches)
-            unsound_examples += observer.unsound[before[1]:][:3] + reference.mismatches[:3]
-            observer.request_lookups.clear()
-            observer.evicted_at.clear()
-            total = observer.lookups
+        # Every request is looked up when it is first scheduled, and every lookup kvhit enforced went through
+        # the observer: fewer checked means its wrapper was replaced and the figures would be vacuous.
+        enforced = serving.kvhit_counters().get("vllm:kvhit_lookups", 0.0) - before.get("vllm:kvhit_lookups", 0.0)
+        if observer.lookups < max(requests, enforced):
+            raise RuntimeError(f"{condition}: {observer.lookups} lookups checked for {requests} requests and "
+                               f"{enforced:.0f} enforced lookups: the observer's wrapper was replaced")
+        row.requests += requests
+        row.lookups += observer.lookups
+        row.unsound += len(observer.unsound)
+        row.evictions += observer.evictions
+        row.fallbacks += int(fallbacks() - before.get("kvhit_enforce_fallbacks", 0.0))
+        row.reference_mismatches += len(reference.mismatches)
+        unsound_examples += observer.unsound[:3] + reference.mismatches[:3]
+        total += observer.lookups
     seconds = time.monotonic() - started
     totals = Row()
     for row in rows.values():
@@ -212,7 +253,8 @@ def self_check(models_dir: str) -> dict:
     """Shows that :func:`serving.lookup_problems` can fail: on a resend's lookup (full16, and qwen3next with
     its Mamba state), the blocks as returned, and the same with one block replaced by another prompt's,
     the hit raised to ``N``, full attention one block short, and (qwen3next) the Mamba state replaced by the
-    null block. ``{layout: {variant: problems}}``."""
+    null block; and that :class:`ReferenceCheck` can: the hit as returned, and one alignment unit less.
+    ``{layout: {"hit": hit, "variants": {variant: problems}, "reference": {variant: mismatches}}}``."""
     from tests.adapter import scheduler_run
 
     out = {}
@@ -231,6 +273,7 @@ def self_check(models_dir: str) -> dict:
 
         hashes, blocks, hit = lookup(p)
         other = lookup(q)[1]
+        against_reference = ReferenceCheck(scheduler, case)
 
         def check(variant_blocks, variant_hit):
             return serving.lookup_problems(coordinator, scheduler.hash_block_size, hashes, len(p) - 1,
@@ -246,7 +289,13 @@ def self_check(models_dir: str) -> dict:
             nulled = [list(g) for g in blocks]
             nulled[1][-1] = scheduler.kv_cache_manager.block_pool.null_block
             variants["null Mamba state"] = check(nulled, hit)
-        out[name] = {"hit": hit, "variants": variants}
+        reference = {}
+        unit = against_reference.sizes.alignment
+        for variant, claimed in (("as returned", hit), ("one alignment unit less", hit - unit)):
+            against_reference.mismatches = []
+            against_reference(hashes, len(p) - 1, claimed)
+            reference[variant] = against_reference.mismatches
+        out[name] = {"hit": hit, "variants": variants, "reference": reference}
     return out
 
 
