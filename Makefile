@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup setup-vllm032 gen check-gen venv dist conformance conformance-long bench e2e vllm-tests vllm-tests-long clean
+.PHONY: prove test setup setup-vllm032 gen check-gen venv dist conformance conformance-long bench soak e2e vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -124,6 +124,15 @@ conformance-long: setup
 
 bench: setup
 	$(PY) -m tests.adapter.bench_enforce
+
+# Soundness under load (tests/adapter/soak.py, docs/adapter.md "Serving conditions"): random multi-request
+# streams with shared prefixes, eviction and preemption through vLLM's real Scheduler under enforce, every
+# lookup checked; a row per layout and condition, then the totals. Fails on an unsound hit, a reference
+# mismatch or a fallback. `make test` runs it at CI size (tests/adapter/test_soak.py, 5,000 lookups).
+SOAK_LOOKUPS ?= 100000
+
+soak: setup
+	KVHIT_MODE=enforce VLLM_PLUGINS=kvhit $(PY) -m tests.adapter.soak --lookups $(SOAK_LOOKUPS) --table
 
 gen: venv
 	$(PY) -m kvhit.spec.codegen

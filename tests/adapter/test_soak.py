@@ -1,0 +1,74 @@
+"""The soak at CI size (``tests/adapter/soak.py``; ``make soak`` runs the long one): random multi-request
+streams with shared prefixes, eviction pressure and preemption through vLLM 0.33's real ``Scheduler`` under
+``KVHIT_MODE=enforce``, every lookup checked.
+
+One process (kvhit loaded through vLLM's plugin loader, as ``EngineCore`` does), fixed seed, at least
+``CI_LOOKUPS`` lookups; about a minute on two busy cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.adapter import soak
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CI_LOOKUPS = 5000
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    """The soak's JSON result (``soak.soak``'s, with ``self_check`` and kvhit's counters)."""
+    work = tmp_path_factory.mktemp("soak")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
+    env.update(KVHIT_MODE="enforce", VLLM_PLUGINS="kvhit")
+    out, checks = work / "soak.json", work / "self_check.json"
+    process = subprocess.run(
+        [sys.executable, "-m", "tests.adapter.soak", "--lookups", str(CI_LOOKUPS),
+         "--seed", str(soak.DEFAULT_SEED), "--json", str(out), "--self-check", str(checks)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    if not out.exists():
+        pytest.fail(f"the soak exited {process.returncode} without a result:\n{process.stdout[-6000:]}")
+    with open(out) as f:
+        data = json.load(f)
+    with open(checks) as f:
+        data["self_check"] = json.load(f)
+    data["returncode"], data["log_tail"] = process.returncode, process.stdout[-3000:]
+    return data
+
+
+def test_soak_checks_at_least_the_ci_lookups_on_every_soaked_layout(result):
+    """Not vacuous: the lookups counted are the ones checked, at least ``CI_LOOKUPS``, on every soaked
+    layout, with evictions and preemptions among them."""
+    totals = result["totals"]
+    assert totals["lookups"] >= CI_LOOKUPS, totals
+    assert {row["layout"] for row in result["rows"] if row["lookups"]} == set(soak.SOAKED), result["rows"]
+    assert totals["evictions"] > 0 and totals["preemptions"] > 0, totals
+    assert result["kvhit_counters"]["vllm:kvhit_lookups"] >= totals["lookups"], result["kvhit_counters"]
+
+
+def test_every_soaked_lookup_is_sound_is_the_reference_and_never_falls_back(result):
+    """No unsound hit, no hit other than ``refimpl``'s reference on the cache the pool held, no fallback,
+    no unmodelled layout; the soak's exit status says the same."""
+    totals = result["totals"]
+    assert (totals["unsound"], totals["reference_mismatches"], totals["fallbacks"]) == (0, 0, 0), (
+        totals, result["examples"])
+    assert result["kvhit_counters"]["kvhit_unmodelled_layouts"] == 0, result["kvhit_counters"]
+    assert result["returncode"] == 0, result["log_tail"]
+
+
+def test_the_soak_checks_can_fail(result):
+    """On a resend's lookup the blocks as returned pass ``serving.lookup_problems`` and every broken variant
+    of them fails it; the hit as returned is the reference and one alignment unit less is not."""
+    for layout, check in result["self_check"].items():
+        variants = check["variants"]
+        assert check["hit"] > 0 and variants.pop("as returned") == [], (layout, check)
+        assert variants and all(variants.values()), (layout, variants)
+        assert check["reference"]["as returned"] == [], (layout, check["reference"])
+        assert check["reference"]["one alignment unit less"], (layout, check["reference"])
+    assert "null Mamba state" in result["self_check"]["qwen3next-mtp2-drop"]["variants"]
