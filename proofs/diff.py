@@ -87,7 +87,7 @@ def _per_hit(rules: Rules, config: Config) -> int:
     return runs_needed(Invariant("one hit", read_hits_agree, "diff", witnesses=0), rules, config) - 1
 
 
-def claim(a: Rules, b: Rules, config: Config) -> Invariant:
+def agreement(a: Rules, b: Rules, config: Config) -> Invariant:
     """The claim that ``a`` and ``b`` hit alike on ``config``, as an invariant checked under
     :data:`VLLM_0_33`: the symbolic cache gets the runs both hits rely on (one per lookup place of each,
     plus the leading run), counted as witnesses beyond the one hit the check's own rules size."""
@@ -160,7 +160,7 @@ class Undecided(RuntimeError):
 def diff_one(a: Rules, b: Rules, config: Config) -> Row:
     """Decide whether ``a`` and ``b`` can hit differently on ``config``; the least difference if so."""
     start, units = time.perf_counter(), _rlimit_count()
-    invariant = claim(a, b, config)
+    invariant = agreement(a, b, config)
     verdict, _, cex, _ = check(invariant, VLLM_0_33, config)
     row = Row(config, verdict == "PROVED", (a.name, b.name))
     if verdict not in ("PROVED", "REFUTED"):
