@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 605ea1dcea0685a474239a76ff87fc6c845f736427488aef5f7d4024df9de1c0
-output-sha256: eb4fafe5f04bf58efa743f857b2c034b212657567821edbe2817272562856ba3
+spec-sha256: d09331bdf1b7ff193214f3b08827d9170f9f85b693be438b7d06af3958e0d8dc
+output-sha256: ab7749d679968ecdaec5cb704db48331fa684e24003b0e92b43b5ea2a71150ce
 """
 
 import itertools
@@ -628,6 +628,18 @@ class Rules:
             at each retained point inside a block too (the reference); otherwise vLLM's bookkeeping, one
             state per Mamba block slot and one partial tail per request (``MambaManager``), which is what the
             patched engine can do (:func:`~spec.retention.mamba_held`).
+        lookahead_hashes: the engine has lookahead block hashes (vLLM 0.33 ``num_hash_lookahead_tokens``:
+            ``VllmConfig.num_hash_lookahead_tokens``, ``get_request_block_hasher``'s third argument,
+            ``Scheduler.__init__`` clearing ``use_eagle_block_drop``), so ``Mode.LOOKAHEAD`` is a setting of
+            the policy; without them (vLLM 0.32, whose block hasher hashes every full block of
+            ``request.num_tokens``) an EAGLE-family drafter always drops, and a lookahead setting is refused
+            (:func:`check_speculation`).
+        junction_below: a dropping group also keeps its state one block below the shared-prefix junction,
+            so a sibling that diverges right after the junction can use the block past its hit as the
+            EAGLE peek (vLLM 0.33 ``SingleTypeKVCacheManager.cache_blocks``: ``reachable_boundaries``
+            gains ``shared_prefix_boundary - self.block_size`` when ``self.use_eagle``); without it only
+            the junction (vLLM 0.32, the same method without that line;
+            :func:`kvhit.spec.retention.junction_boundaries`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -652,12 +664,15 @@ class Rules:
     probe_past_max: bool = False
     record_junction: bool = True
     mamba_inside_blocks: bool = False
+    lookahead_hashes: bool = True
+    junction_below: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, 'replay', Replay(self.replay))
         object.__setattr__(self, 'junction', Junction(self.junction))
 REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME, mamba_inside_blocks=True)
 VLLM_0_33 = Rules('vllm_0_33')
+VLLM_0_32 = Rules('vllm_0_32', lookahead_hashes=False, junction_below=False)
 HISTORICAL = Rules('historical', eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
 HISTORICAL_REPEAT_DROP = Rules('historical_repeat_drop', eagle_margin=False, drop_once=False)
 NO_LAST_TOKEN_CAP = replace(REFERENCE, name='no_last_token_cap', last_token_recomputed=False)
@@ -697,7 +712,19 @@ def repaired(names, base: Rules=VLLM_0_33, name: str | None=None) -> Rules:
 VLLM_0_33_REPAIRED = repaired(tuple(REPAIRS), name='vllm_0_33_repaired')
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPAIRED)}
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
-ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
+RELEASES = {r.name: r for r in (VLLM_0_32,)}
+ALL_POLICIES = {**POLICIES, **KNOWN_BAD, **RELEASES}
+
+def check_speculation(sizes: Sizes, rules: Rules):
+    """Refuse a speculative setting the policy's engine does not have: lookahead block hashes
+    (``L > 0``) under a policy without them (``lookahead_hashes``; vLLM 0.32 has no
+    ``num_hash_lookahead_tokens``, its EAGLE-family drafters drop).
+
+    Raises:
+        ValueError: naming the policy and the setting.
+    """
+    if sizes.hash_lookahead > 0 and (not rules.lookahead_hashes):
+        raise ValueError(f"policy {rules.name} has no lookahead block hashes (L = {sizes.hash_lookahead}): its engine drops the EAGLE block instead; use mode 'drop'")
 
 def max_cache_hit_length(n_tokens, rules: Rules):
     """The most a hit may be: ``N - 1`` (vLLM ``KVCacheManager.get_computed_blocks``)."""
@@ -1021,7 +1048,9 @@ def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 
 def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """The hit of a request of ``n_tokens`` prompt tokens under ``rules``:
-    ``(hit, reach, longest, converged)``."""
+    ``(hit, reach, longest, converged)``. A setting the policy's engine lacks is refused
+    (:func:`check_speculation`)."""
+    check_speculation(sizes, rules)
     if rules.declarative:
         return reference_hit_tokens(cache, sizes, n_tokens, rules)
     if sizes.unitary:
@@ -1258,12 +1287,14 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     s = sizes.scheduler_block
     return ours + (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
 
-def junction_boundaries(sizes: Sizes, k, junction):
-    """The junction, and for a dropping group one block below it (a sibling that diverges right after
-    the junction cannot peek past it). :data:`NO_JUNCTION` for none."""
+def junction_boundaries(sizes: Sizes, k, junction, rules: Rules):
+    """The junction, and for a dropping group with ``rules.junction_below`` one block below it (a sibling
+    that diverges right after the junction cannot peek past it: vLLM 0.33
+    ``SingleTypeKVCacheManager.cache_blocks``; vLLM 0.32 keeps only the junction). :data:`NO_JUNCTION` for
+    none."""
     sg = sizes.groups[k]
     here = junction if junction > 0 else NO_JUNCTION
-    if not sg.drops:
+    if not (sg.drops and rules.junction_below):
         return (here,)
     return (here, junction - sg.block if junction > 0 else NO_JUNCTION)
 
@@ -1488,15 +1519,16 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
     prompt already left the replay boundaries' sliding-window tails, so only the junction's are new.
     ``boundaries``: :func:`replay_boundaries`, when the caller already has them."""
     check_retention(sizes, interval)
+    check_speculation(sizes, rules)
     if boundaries is None:
         boundaries = replay_boundaries(sizes, n_tokens, rules)
     retained = retained_stops(sizes, n_tokens, boundaries, start, junction, rules)
     out = []
     for k, sg in enumerate(sizes.groups):
-        at = boundaries + junction_boundaries(sizes, k, junction)
+        at = boundaries + junction_boundaries(sizes, k, junction, rules)
         if sg.kind is Kind.SWA:
             if again:
-                at = junction_boundaries(sizes, k, junction)
+                at = junction_boundaries(sizes, k, junction, rules)
             gaps = sliding_window_gaps(sizes, k, n_tokens, start, junction, rules, retained)
             held = sliding_window_held(sizes, k, n_tokens, interval, at, rules, gaps)
             if gaps and (not (isinstance(start, int) and start == 0)):

@@ -91,6 +91,18 @@ class Rules:
             at each retained point inside a block too (the reference); otherwise vLLM's bookkeeping, one
             state per Mamba block slot and one partial tail per request (``MambaManager``), which is what the
             patched engine can do (:func:`~spec.retention.mamba_held`).
+        lookahead_hashes: the engine has lookahead block hashes (vLLM 0.33 ``num_hash_lookahead_tokens``:
+            ``VllmConfig.num_hash_lookahead_tokens``, ``get_request_block_hasher``'s third argument,
+            ``Scheduler.__init__`` clearing ``use_eagle_block_drop``), so ``Mode.LOOKAHEAD`` is a setting of
+            the policy; without them (vLLM 0.32, whose block hasher hashes every full block of
+            ``request.num_tokens``) an EAGLE-family drafter always drops, and a lookahead setting is refused
+            (:func:`check_speculation`).
+        junction_below: a dropping group also keeps its state one block below the shared-prefix junction,
+            so a sibling that diverges right after the junction can use the block past its hit as the
+            EAGLE peek (vLLM 0.33 ``SingleTypeKVCacheManager.cache_blocks``: ``reachable_boundaries``
+            gains ``shared_prefix_boundary - self.block_size`` when ``self.use_eagle``); without it only
+            the junction (vLLM 0.32, the same method without that line;
+            :func:`kvhit.spec.retention.junction_boundaries`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -116,6 +128,8 @@ class Rules:
     probe_past_max: bool = False
     record_junction: bool = True
     mamba_inside_blocks: bool = False
+    lookahead_hashes: bool = True
+    junction_below: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "replay", Replay(self.replay))
@@ -124,6 +138,9 @@ class Rules:
 
 REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME, mamba_inside_blocks=True)
 VLLM_0_33 = Rules("vllm_0_33")
+# vLLM 0.32.0: 0.33's read side (the same coordinators, loop, finders and alignment), without lookahead block
+# hashes and without the junction's lower boundary on the write side (docs/notes/vllm-0.32-policy.md, D1, D3).
+VLLM_0_32 = Rules("vllm_0_32", lookahead_hashes=False, junction_below=False)
 HISTORICAL = Rules("historical", eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
 
 # Known-bad variants: each breaks one rule, to show that the invariant guarding that rule can fail.
@@ -185,7 +202,22 @@ POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPA
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
                                  PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END,
                                  RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
-ALL_POLICIES = {**POLICIES, **KNOWN_BAD}
+# Policies of other vLLM releases: named and replayable (``policy_rules``), not yet in ``make prove``.
+RELEASES = {r.name: r for r in (VLLM_0_32,)}
+ALL_POLICIES = {**POLICIES, **KNOWN_BAD, **RELEASES}
+
+
+def check_speculation(sizes: Sizes, rules: Rules):
+    """Refuse a speculative setting the policy's engine does not have: lookahead block hashes
+    (``L > 0``) under a policy without them (``lookahead_hashes``; vLLM 0.32 has no
+    ``num_hash_lookahead_tokens``, its EAGLE-family drafters drop).
+
+    Raises:
+        ValueError: naming the policy and the setting.
+    """
+    if sizes.hash_lookahead > 0 and not rules.lookahead_hashes:
+        raise ValueError(f"policy {rules.name} has no lookahead block hashes (L = {sizes.hash_lookahead}): its "
+                         "engine drops the EAGLE block instead; use mode 'drop'")
 
 
 def max_cache_hit_length(n_tokens, rules: Rules):
@@ -554,7 +586,9 @@ def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 
 def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """The hit of a request of ``n_tokens`` prompt tokens under ``rules``:
-    ``(hit, reach, longest, converged)``."""
+    ``(hit, reach, longest, converged)``. A setting the policy's engine lacks is refused
+    (:func:`check_speculation`)."""
+    check_speculation(sizes, rules)
     if rules.declarative:
         return reference_hit_tokens(cache, sizes, n_tokens, rules)
     if sizes.unitary:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from .cache import Held, live_gaps, written
 from .domain import Kind
-from .policy import Junction, Replay, Rules, hit_tokens
+from .policy import Junction, Replay, Rules, check_speculation, hit_tokens
 from .sizes import Sizes, hash_reach
 from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_
 
@@ -262,12 +262,14 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     return ours + (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
 
 
-def junction_boundaries(sizes: Sizes, k, junction):
-    """The junction, and for a dropping group one block below it (a sibling that diverges right after
-    the junction cannot peek past it). :data:`NO_JUNCTION` for none."""
+def junction_boundaries(sizes: Sizes, k, junction, rules: Rules):
+    """The junction, and for a dropping group with ``rules.junction_below`` one block below it (a sibling
+    that diverges right after the junction cannot peek past it: vLLM 0.33
+    ``SingleTypeKVCacheManager.cache_blocks``; vLLM 0.32 keeps only the junction). :data:`NO_JUNCTION` for
+    none."""
     sg = sizes.groups[k]
     here = ite(junction > 0, junction, NO_JUNCTION)
-    if not sg.drops:
+    if not (sg.drops and rules.junction_below):
         return (here,)
     return (here, ite(junction > 0, junction - sg.block, NO_JUNCTION))
 
@@ -521,15 +523,16 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
     prompt already left the replay boundaries' sliding-window tails, so only the junction's are new.
     ``boundaries``: :func:`replay_boundaries`, when the caller already has them."""
     check_retention(sizes, interval)
+    check_speculation(sizes, rules)
     if boundaries is None:
         boundaries = replay_boundaries(sizes, n_tokens, rules)
     retained = retained_stops(sizes, n_tokens, boundaries, start, junction, rules)
     out = []
     for k, sg in enumerate(sizes.groups):
-        at = boundaries + junction_boundaries(sizes, k, junction)
+        at = boundaries + junction_boundaries(sizes, k, junction, rules)
         if sg.kind is Kind.SWA:
             if again:
-                at = junction_boundaries(sizes, k, junction)
+                at = junction_boundaries(sizes, k, junction, rules)
             gaps = sliding_window_gaps(sizes, k, n_tokens, start, junction, rules, retained)
             held = sliding_window_held(sizes, k, n_tokens, interval, at, rules, gaps)
             if gaps and not (isinstance(start, int) and start == 0):
