@@ -57,11 +57,22 @@ EXPECTED_DIFFERENCES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = 
 EXPECTED_BELOW_STOCK: dict[str, dict[str, tuple[int, int, str]]] = {
     "dsv4_cuda-drop/preempting/2048": {"a-1": (
         4864, 2816,
-        "the reference write side leaves more of a's blocks cached than vLLM's (its sliding-window tails at "
-        "its own resume points besides vLLM's), so on this pool (966 blocks, the stream's peak less one) b's "
-        "prefill evicts 14 of a's cached blocks under enforce and none under stock (101 evictions in the "
-        "stream against 0); a's resend then finds its prefix cut at 2816. Enforce >= stock holds lookup by "
-        "lookup on the same cache, not across a stream whose pool evicts.")},
+        "inherent to the reference write side, not an adapter defect (tests/adapter/"
+        "test_eviction_under_enforce.py): after a (5374 tokens) the pool holds exactly what refimpl's "
+        "request_writes says for each mode, and the reference keeps a second set of sliding-window tails, at "
+        "its own resend point 5120 beside vLLM's 4864: 21 blocks more (SWA-64 EAGLE 3, SWA-8 16, SWA-4 2; the "
+        "MLA groups alike). On this pool (966 blocks, the stream's stock peak less one) b waits for a, and its "
+        "prefill needs more uncached free blocks than enforce has left: it evicts 14 cached blocks, stock none "
+        "(101 evictions in the whole stream against 0; the other 87 come in a-1's own prefill). vLLM evicts "
+        "cached blocks in the order they were freed, and a sliding-window block is freed when the window "
+        "passes it, before a's MLA blocks are freed at its end; so the 14 are all six SWA-64 tail blocks "
+        "(vLLM's tail at 4864 too) and eight SWA-8 blocks of the tail at 5120, and a-1 falls back to b's "
+        "junction at 2816. The read side is not what loses: on stock's pool the reference hits 4864. "
+        "Proposed (not in spec/): a block the reference caches beyond what vLLM's own write side would for "
+        "that request (its replay boundaries and junction, counting the request's hit as the junction vLLM "
+        "would have recorded) is evicted after every uncached free block and before any other cached block. "
+        "Prototyped on the preempting streams: enforce >= stock on every run, and this one gets 5120, 5120, "
+        "4864 with 14 evictions, all of them such blocks.")},
 }
 
 
