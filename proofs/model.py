@@ -81,6 +81,12 @@ class Invariant:
             with ``vllm_0_33`` says nothing of ``vllm_0_33`` itself.
         extended_policies: more policies it speaks about in ``kvhit prove --extended`` only (too slow for
             the default run).
+        by_lemma: ``(policy, lemma)`` pairs: the default run does not check the claim for ``policy`` itself
+            but composes its verdict, configuration by configuration, from the reference's and the
+            invariant ``lemma``'s (which says the policy computes what the reference does wherever the claim
+            looks); ``--extended`` checks it whole (:func:`kvhit.proofs.runner.compose`).
+        default_only: a lemma of such a composition: ``--extended``, which checks the composed claims
+            whole, leaves it out.
     """
 
     name: str
@@ -94,6 +100,8 @@ class Invariant:
     heavy: Callable[[Config], bool] = lambda config: False
     policies: tuple | None = None
     extended_policies: tuple = ()
+    by_lemma: tuple = ()
+    default_only: bool = False
 
     @property
     def formula(self) -> str:
@@ -276,12 +284,13 @@ class Verdict:
     max_rlimit: int = 0
     counterexample: dict | None = None
     note: str = ""
+    composed_from: str = ""  # a verdict composed from two others' (Invariant.by_lemma): which
     refutations: list = field(default_factory=list)  # every refuted configuration: brief(cex) with its label
 
     def as_json(self) -> dict:
         return {"invariant": self.invariant, "policy": self.policy, "verdict": self.verdict,
                 "configs": len(self.configs), "seconds": round(self.seconds, 3), "rlimit": self.rlimit, "max_rlimit": self.max_rlimit,
-                "layouts": sorted({label.split()[0] for label in self.configs}),
+                "layouts": sorted({label.split()[0] for label in self.configs}), "composed_from": self.composed_from,
                 "counterexample": self.counterexample, "refuted_configs": self.refutations}
 
 

@@ -82,6 +82,8 @@ def tasks(only_catalogue_for_bad: bool = True):
     cfgs = _configs()
     catalogue = set(CATALOGUE)
     for inv in INVARIANTS:
+        if inv.default_only and EXTENDED:
+            continue
         for i, config in enumerate(cfgs):
             if inv.write_side != config.write_side or not inv.applies(config):
                 continue
@@ -121,7 +123,6 @@ def run(jobs: int | None = None) -> list[Verdict]:
     results.sort(key=lambda r: order[r[0]])
     verdicts: dict[tuple, Verdict] = {}
     cfgs = _configs()
-    rank = {"PROVED": 0, "REFUTED": 1, "UNKNOWN": 2, "REPLAY-MISMATCH": 3, "ERROR": 4}
     for (inv_name, policy, index, scenario), verdict, seconds, cex, spent in results:
         key = (inv_name if scenario is None else f"{inv_name}@{scenario}", policy)
         v = verdicts.setdefault(key, Verdict(key[0], policy, "PROVED"))
@@ -130,14 +131,52 @@ def run(jobs: int | None = None) -> list[Verdict]:
         v.max_rlimit = max(v.max_rlimit, spent)
         label = cfgs[index].label if scenario is None else scenario
         v.configs.append(label)
-        if rank[verdict] > rank[v.verdict]:
-            v.verdict = verdict
-            v.counterexample = cex
-            v.note = label
-        if verdict == "REFUTED":
-            v.refuted += 1
-            v.refutations.append(brief(label, cex))
+        _add(v, label, verdict, cex)
+    if not EXTENDED:
+        verdicts.update(compose(results, cfgs))
     return list(verdicts.values())
+
+
+# The worst verdict of a row's configurations is the row's.
+RANK = {"PROVED": 0, "REFUTED": 1, "UNKNOWN": 2, "REPLAY-MISMATCH": 3, "ERROR": 4}
+
+
+def _add(v: Verdict, label: str, verdict: str, cex) -> None:
+    """Count one configuration's verdict into its row ``v``."""
+    if RANK[verdict] > RANK[v.verdict]:
+        v.verdict = verdict
+        v.counterexample = cex
+        v.note = label
+    if verdict == "REFUTED":
+        v.refuted += 1
+        v.refutations.append(brief(label, cex))
+
+
+def compose(results, cfgs) -> dict:
+    """The verdicts the default run composes (:attr:`~kvhit.proofs.model.Invariant.by_lemma`): on each
+    configuration where the claim was checked for the reference, the policy's verdict is the reference's if
+    the lemma is PROVED there for the policy, and UNKNOWN (a failed run) if it is not: the composition then
+    says nothing. A REFUTED verdict keeps the reference's counterexample, which the lemma makes the policy's
+    too. Without its lemma's checks (``--invariant``), nothing is composed."""
+    by_task = {(inv, policy, index): (verdict, cex) for (inv, policy, index, scenario), verdict, _, cex, _
+               in results if scenario is None}
+    out = {}
+    for inv in INVARIANTS:
+        for policy, lemma in inv.by_lemma:
+            checked = [i for (name, pol, i) in by_task if name == inv.name and pol == "reference"]
+            if not checked or not any(name == lemma for name, _, _ in by_task):
+                continue
+            v = Verdict(inv.name, policy, "PROVED", composed_from=f"reference + {lemma}")
+            for i in checked:
+                label = cfgs[i].label
+                v.configs.append(label)
+                verdict, cex = by_task[(inv.name, "reference", i)]
+                lemma_verdict, _ = by_task.get((lemma, policy, i), ("not checked", None))
+                if lemma_verdict != "PROVED":
+                    verdict, cex = "UNKNOWN", {"error": f"{lemma} is {lemma_verdict} on {label}"}
+                _add(v, label, verdict, cex)
+            out[(inv.name, policy)] = v
+    return out
 
 
 def judge(verdicts: list[Verdict]) -> list[str]:
@@ -206,8 +245,9 @@ def table(verdicts: list[Verdict]) -> str:
              "counterexample", "-" * 160]
     for v in verdicts:
         count = f"{v.refuted}/{len(v.configs)}" if v.verdict == "REFUTED" else str(len(v.configs))
+        composed = f"(composed: {v.composed_from}) " if v.composed_from else ""
         lines.append(f"{v.invariant:58} {v.policy:24} {v.verdict:9} {count:>7} {v.seconds:8.2f} "
-                     f"{v.rlimit / 1e6:8.1f}  "
+                     f"{v.rlimit / 1e6:8.1f}  {composed}"
                      f"{_summary(v.counterexample) if v.verdict == 'REFUTED' else v.note if v.verdict != 'PROVED' else ''}")
     return "\n".join(lines)
 
