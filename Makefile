@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup setup-vllm032 gen check-gen venv dist conformance conformance-long bench soak e2e vllm-tests vllm-tests-long clean
+.PHONY: prove test setup setup-vllm032 conformance-032 gen check-gen venv dist conformance conformance-long bench soak e2e vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,27 @@ $(VENV_VLLM032)/.installed: requirements/vllm-032-cpu.txt
 	touch $@
 
 setup-vllm032: $(VENV_VLLM032)/.installed
+
+# vLLM 0.32.0's conformance: the read-side and write-side differentials and the D3 pin
+# (tests/conformance/test_junction_below.py) against 0.32.0's real classes and the vllm_0_32 policy, the harness
+# keyed by vllm.__version__ (tests/conformance/vllm_harness.py, VersionSeams). In .venv-vllm032 with the test pins
+# of requirements/vllm-032-test.txt and this checkout's kvhit (editable), resolver off. Derandomized (CI=1) with
+# the suites' own hypothesis settings, as under `make test`; fails on any mismatch. Hypothesis compares a few
+# percent fewer scenarios than it is asked for, so each side asks for more than the 2,000 it is to compare.
+CONFORMANCE_032_SCENARIOS ?= 2400
+CONFORMANCE_032_WRITE_SCENARIOS ?= 2100
+
+$(VENV_VLLM032)/.test-installed: requirements/vllm-032-test.txt pyproject.toml $(VENV_VLLM032)/.installed
+	$(VENV_VLLM032)/bin/python -m pip --disable-pip-version-check -q install --no-deps -r requirements/vllm-032-test.txt
+	$(VENV_VLLM032)/bin/python -m pip --disable-pip-version-check -q install --no-deps -e .
+	touch $@
+
+conformance-032: setup-vllm032 $(VENV_VLLM032)/.test-installed
+	@start=$$(date +%s); \
+	CI=1 KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_032_SCENARIOS) KVHIT_WRITE_SCENARIOS=$(CONFORMANCE_032_WRITE_SCENARIOS) \
+	$(VENV_VLLM032)/bin/python -m pytest -q -p no:cacheprovider tests/conformance/test_hit_tokens_matches_vllm.py \
+		tests/conformance/test_write_side_matches_vllm.py tests/conformance/test_junction_below.py; rc=$$?; \
+	echo "conformance-032: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 venv: $(VENV)/.installed
 

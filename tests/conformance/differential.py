@@ -1,10 +1,11 @@
-"""Differential comparison of the ``vllm_0_33`` policy with vLLM 0.33.0's own classes.
+"""Differential comparison of a vLLM release's policy with that release's own classes: ``vllm_0_33``
+against vLLM 0.33.0, ``vllm_0_32`` against 0.32.0 (whichever the venv has: :data:`.vllm_harness.SEAMS`).
 
 A *scenario* is a layout, a speculative setting, a retention interval, a block-pool size and a stream of
 operations (serve a prompt, probe a prompt, evict cached blocks) run through :class:`VllmHarness`. Before
 every lookup vLLM makes (a serve's admission, a probe) the cache state is read out of vLLM's ``BlockPool``
 for the looked-up request's own block hashes, exactly as the lookup reads it (``get_cached_block`` over the
-KV-cache groups of each spec group), and the generated refimpl computes the ``vllm_0_33`` hit on that state.
+KV-cache groups of each spec group), and the generated refimpl computes the policy's hit on that state.
 The comparison is explicit:
 
 * **hit**: vLLM's ``num_computed_tokens`` equals the model's hit, and vLLM's ``shared_prefix_boundary``
@@ -30,9 +31,12 @@ from kvhit.convert import to_refimpl  # noqa: F401 (the suites import it from he
 from kvhit.refimpl import CacheState, Layout, Speculation, derive_sizes, hit_tokens, policy_rules
 from kvhit.refimpl.policy import NO_JUNCTION, Kind, chunk_stops, num_hashes
 
-from .vllm_harness import SchedulingStalled, VllmHarness
+from .vllm_harness import SEAMS, VLLM_VERSION, SchedulingStalled, VllmHarness, drop_eagle_group_ids
 
 VLLM_0_33 = policy_rules("vllm_0_33")
+POLICY = policy_rules(SEAMS.policy)
+"""The policy the installed vLLM's classes are compared with (``vllm_0_33`` on 0.33.0, ``vllm_0_32`` on
+0.32.0)."""
 REFERENCE = policy_rules("reference")
 DECODE_STEPS = 2
 
@@ -57,7 +61,7 @@ KNOWN_MODEL_GAPS: tuple[KnownModelGap, ...] = ()
 
 
 class Mismatch(AssertionError):
-    """vLLM and the ``vllm_0_33`` policy disagree on a scenario."""
+    """vLLM and the policy compared with it disagree on a scenario."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -253,25 +257,25 @@ def check_sizes(scenario: Scenario, sizes, harness: VllmHarness) -> None:
             "fine": sizes.partial_hits, "effective_blocks": list(sizes.effective_blocks)}
     have = {key: got[key] for key in want}
     if have != want:
-        raise Mismatch(f"derived sizes differ\n{scenario.describe()}\n  vLLM:     {have}\n  vllm_0_33: {want}")
+        raise Mismatch(f"derived sizes differ\n{scenario.describe()}\n  vLLM:  {have}\n  model: {want}")
     coordinator = harness.manager.coordinator
     if hasattr(coordinator, "attention_groups"):
         vllm_groups = [list(g.group_ids) for g in coordinator.attention_groups]
         model_groups = [list(g.members) for g in sizes.groups]
         if vllm_groups != model_groups:
             raise Mismatch(f"spec groups differ\n{scenario.describe()}\n  vLLM:      {vllm_groups}\n"
-                           f"  vllm_0_33: {model_groups}")
+                           f"  model:     {model_groups}")
         # A spec group drops when any member is a dropping EAGLE group (vLLM ``SpecGroup.use_eagle``).
         vllm_drops = [bool(g.use_eagle) for g in coordinator.attention_groups]
         model_drops = [g.drops for g in sizes.groups]
         if vllm_drops != model_drops:
             raise Mismatch(f"dropping EAGLE spec groups differ\n{scenario.describe()}\n  vLLM: {vllm_drops}\n"
-                           f"  vllm_0_33: {model_drops}")
+                           f"  model: {model_drops}")
     else:
-        vllm_drops = [0 in coordinator.drop_eagle_group_ids]
+        vllm_drops = [0 in drop_eagle_group_ids(coordinator)]
         if vllm_drops != [sizes.groups[0].drops]:
             raise Mismatch(f"dropping EAGLE group differs\n{scenario.describe()}\n  vLLM: {vllm_drops}\n"
-                           f"  vllm_0_33: {[sizes.groups[0].drops]}")
+                           f"  model: {[sizes.groups[0].drops]}")
 
 
 def stall_predicted(sizes, n, start, junction, rules) -> bool:
@@ -298,7 +302,7 @@ def cache_state(harness: VllmHarness, sizes, tokens) -> list[set[int]]:
     return out
 
 
-def compare_lookup(scenario, sizes, index, tokens, boundaries, outcome, history, rules=VLLM_0_33) -> str:
+def compare_lookup(scenario, sizes, index, tokens, boundaries, outcome, history, rules=POLICY) -> str:
     """Compare one lookup; returns ``hit``, ``crash`` or raises :class:`Mismatch`."""
     n = len(tokens)
     hit, reach, longest, _ = hit_tokens(CacheState.from_sets(boundaries), sizes, n, rules)
@@ -318,7 +322,7 @@ def compare_lookup(scenario, sizes, index, tokens, boundaries, outcome, history,
                        f"  lookups so far: {history}\n"
                        f"  S/h/A = {sizes.scheduler_block}/{sizes.hash_block}/{sizes.alignment}\n"
                        f"  cache state (cached boundaries per spec group):\n{state}\n"
-                       f"  vLLM 0.33.0: {vllm}\n  model:       {model}")
+                       f"  vLLM {VLLM_VERSION}: {vllm}\n  model:       {model}")
 
     for gap in KNOWN_MODEL_GAPS:
         if gap.applies(scenario, (tokens, boundaries, outcome)):
@@ -336,7 +340,7 @@ def compare_lookup(scenario, sizes, index, tokens, boundaries, outcome, history,
     return "hit"
 
 
-def run_scenario(scenario: Scenario, stats: Stats = STATS, rules=VLLM_0_33) -> list:
+def run_scenario(scenario: Scenario, stats: Stats = STATS, rules=POLICY) -> list:
     """Run a scenario on vLLM, comparing every lookup. Returns ``[(N, vllm_outcome), ...]``."""
     try:
         sizes = derive_sizes(scenario.layout, scenario.speculation)

@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 from kvhit.refimpl import Group, Layout, Speculation, derive_sizes
 
 from .differential import Op, Scenario
+from .vllm_harness import MODES
 
 SPECULATIONS = [Speculation("none")] + [
-    Speculation(mode, k, multi) for mode in ("lookahead", "drop") for k in (1, 2, 3) for multi in (False, True)
-    if not (multi and k == 1)]
-"""none; lookahead and drop with 1..3 speculative tokens, single- and multi-module MTP (Lp = k)."""
+    Speculation(mode, k, multi) for mode in ("lookahead", "drop") if mode in MODES for k in (1, 2, 3)
+    for multi in (False, True) if not (multi and k == 1)]
+"""none; lookahead (where the installed vLLM has it) and drop with 1..3 speculative tokens, single- and
+multi-module MTP (Lp = k)."""
 
 MAX_PROMPT = 24_000
 """Prompts stay below this many tokens (DeepSeek-V4-report layouts, S = 16384, get their own cap)."""

@@ -1,6 +1,7 @@
-"""Differential tests: the ``vllm_0_33`` policy's hit equals vLLM 0.33.0's on every lookup of every
-generated request stream, over every catalogue layout (DCP 1, 2 and 4 where vLLM supports it), every
-speculative mode and retention interval, and random layouts (see :mod:`.differential` for what is compared).
+"""Differential tests: the installed vLLM's policy (``vllm_0_33`` on 0.33.0, ``vllm_0_32`` on 0.32.0) hits
+what that vLLM does on every lookup of every generated request stream, over every catalogue layout (DCP 1, 2
+and 4 where vLLM supports it), every speculative mode the release has and every retention interval, and
+random layouts (see :mod:`.differential` for what is compared; :data:`.vllm_harness.SEAMS` for the release).
 
 The number of scenarios is ``KVHIT_CONFORMANCE_SCENARIOS`` (default 2,400; ``make conformance-long`` runs
 50,000), split over the test cases below in proportion to their weights.
@@ -11,16 +12,13 @@ import time
 from dataclasses import replace
 
 import pytest
-import vllm
 from hypothesis import HealthCheck, given, settings
 
 from kvhit.spec.catalogue import CATALOGUE
 
 from .differential import STATS, run_scenario, to_refimpl
 from .strategies import SPECULATIONS, random_layouts, scenarios
-
-VLLM_VERSION = "0.33.0"
-assert vllm.__version__ == VLLM_VERSION, f"the conformance suite drives vLLM {VLLM_VERSION}, not {vllm.__version__}"
+from .vllm_harness import MODES, VLLM_VERSION  # noqa: F401 (MODES: the suites import it from here)
 
 SCENARIOS = int(os.environ.get("KVHIT_CONFORMANCE_SCENARIOS", "2400"))
 
@@ -29,7 +27,6 @@ CATALOGUE_DCP = {"full16": (1, 2, 4), "llama_eagle": (1, 2, 4), "qwen3next": (1,
                  "qwen3next_pmu160": (1, 2, 4)}
 # DeepSeek-V4's report layout (S = 16384) serves prompts of tens of thousands of tokens: fewer scenarios.
 HEAVY = {"dsv4_report": 0.25}
-MODES = ("none", "lookahead", "drop")
 
 CASES = [(name, dcp, mode) for name in sorted(CATALOGUE) for dcp in CATALOGUE_DCP.get(name, (1,))
          for mode in MODES]

@@ -1,8 +1,8 @@
-"""Differential tests of the write side: what a request leaves in vLLM 0.33.0's cache (retained block
-boundaries after the first request), the hits of its resends, and the hits of longer siblings, equal the
-``vllm_0_33`` policy's write side (``refimpl.request_writes`` / ``written_cache`` / ``repeat_hits``) over
-every catalogue layout with a modelled write side (DCP 1, 2 and 4 where vLLM supports it), every
-speculative mode and retention interval, and random layouts (see :mod:`.write_side` for what is compared).
+"""Differential tests of the write side: what a request leaves in the installed vLLM's cache (retained block
+boundaries after the first request), the hits of its resends, and the hits of longer siblings, equal that
+release's policy's write side (``vllm_0_33`` on 0.33.0, ``vllm_0_32`` on 0.32.0: ``refimpl.request_writes``
+/ ``written_cache`` / ``repeat_hits``) over every catalogue layout with a modelled write side (DCP 1, 2 and 4
+where vLLM supports it), every speculative mode the release has and every retention interval, and random layouts (see :mod:`.write_side` for what is compared).
 
 The number of scenarios is ``KVHIT_WRITE_SCENARIOS`` (default 2,000; ``make conformance-long`` runs 20,000),
 split over the cases below in proportion to their weights.

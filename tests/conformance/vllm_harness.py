@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Drive vLLM's real prefix-cache classes on the CPU, one request at a time.
 
-This is kvhit's conformance harness for vLLM 0.33. It builds a real
+This is kvhit's conformance harness for vLLM 0.33.0 and 0.32.0 (what differs
+between the two is in one place, ``VersionSeams`` below). It builds a real
 ``KVCacheManager`` (coordinator, single-type managers, block pool, request
 block hasher) from a small *layout* description and serves requests through
 it the way ``Scheduler.schedule`` / ``Scheduler.update_from_output`` do, so a
@@ -33,7 +34,8 @@ Group keys:
   needs ``chunk``).
 * ``block_size``: the spec's per-rank block size in tokens.
 * ``eagle`` (default False): the group holds a draft layer, i.e.
-  ``KVCacheGroupSpec(is_eagle_group=True)`` and ``is_draft=True`` on the spec.
+  ``KVCacheGroupSpec(is_eagle_group=True)`` and (vLLM 0.33) ``is_draft=True``
+  on the spec.
   Like vLLM's planner (``get_global_kv_cache_groups``), the flag is only set
   when a drafter is configured (modes ``lookahead`` and ``drop``); in mode
   ``none`` it would have no effect on hits either way.
@@ -69,9 +71,11 @@ from __future__ import annotations
 import itertools
 import types
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import vllm
 
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -100,8 +104,87 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-MODES = ("none", "lookahead", "drop")
-"""Speculative-decoding manager modes (policy doc section 1.5)."""
+# ---------------------------------------------------------------------------------------------------- #
+# vLLM version seams: everything the harness (and the differential suites on it) does differently per
+# vLLM release lives here, keyed by vllm.__version__ (docs/notes/vllm-0.32-policy.md, section 3.3).
+# ---------------------------------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class VersionSeams:
+    """What differs between the vLLM releases the harness drives.
+
+    Attributes:
+        version: ``vllm.__version__``.
+        policy: the kvhit policy whose hits and write side this release's classes are compared with.
+        modes: the harness modes the release has. vLLM 0.32 has no lookahead block hashes (D1): every
+            EAGLE-family drafter with prefix caching drops, so ``lookahead`` is not one of its modes.
+        is_draft: the KV-cache specs have ``is_draft`` (vLLM 0.33 ``AttentionSpec.is_draft``, read by its
+            planner, D4); 0.32 flags draft groups only through ``KVCacheGroupSpec.is_eagle_group``.
+        hash_lookahead: ``KVCacheManager`` and ``get_request_block_hasher`` take
+            ``num_hash_lookahead_tokens`` (vLLM 0.33; 0.32 ``get_request_block_hasher(hash_block_size,
+            caching_hash_fn)`` and no such manager parameter, D1).
+        drop_set: the coordinator attribute holding the EAGLE groups that drop: vLLM 0.33
+            ``drop_eagle_group_ids`` (empty under lookahead hashes), 0.32 ``eagle_group_ids`` (D2).
+
+    The 0.32 ``get_mamba_prefill_checkpoint_position`` takes 3 parameters, 0.33's 4: the harness never calls
+    it, only the scheduler's own ``_mamba_block_aligned_split`` (run unbound on a stand-in) does, each
+    release's with its own; the stand-in's ``num_hash_lookahead_tokens`` is read by 0.33 only.
+    """
+
+    version: str
+    policy: str
+    modes: tuple
+    is_draft: bool
+    hash_lookahead: bool
+    drop_set: str
+
+
+SUPPORTED = {
+    "0.33.0": VersionSeams("0.33.0", policy="vllm_0_33", modes=("none", "lookahead", "drop"), is_draft=True,
+                           hash_lookahead=True, drop_set="drop_eagle_group_ids"),
+    "0.32.0": VersionSeams("0.32.0", policy="vllm_0_32", modes=("none", "drop"), is_draft=False,
+                           hash_lookahead=False, drop_set="eagle_group_ids"),
+}
+if vllm.__version__ not in SUPPORTED:
+    raise ImportError(f"the conformance harness drives vLLM {' or '.join(SUPPORTED)}, not {vllm.__version__}")
+SEAMS = SUPPORTED[vllm.__version__]
+"""The seams of the installed vLLM."""
+VLLM_VERSION = SEAMS.version
+
+
+def spec_draft_kwargs(group: dict) -> dict[str, Any]:
+    """The spec keyword marking a draft layer's group, where the release has it."""
+    return {"is_draft": bool(group.get("eagle", False))} if SEAMS.is_draft else {}
+
+
+def manager_lookahead_kwargs(num_hash_lookahead_tokens: int) -> dict[str, Any]:
+    """``KVCacheManager``'s lookahead-hash keyword, where the release has it."""
+    if SEAMS.hash_lookahead:
+        return {"num_hash_lookahead_tokens": num_hash_lookahead_tokens}
+    assert num_hash_lookahead_tokens == 0, f"vLLM {VLLM_VERSION} has no lookahead block hashes"
+    return {}
+
+
+def request_block_hasher(hash_block_size: int, num_hash_lookahead_tokens: int):
+    """vLLM ``get_request_block_hasher`` with sha256, and the lookahead where the release has it."""
+    if SEAMS.hash_lookahead:
+        return get_request_block_hasher(hash_block_size, sha256, num_hash_lookahead_tokens)
+    assert num_hash_lookahead_tokens == 0, f"vLLM {VLLM_VERSION} has no lookahead block hashes"
+    return get_request_block_hasher(hash_block_size, sha256)
+
+
+def drop_eagle_group_ids(coordinator) -> set[int]:
+    """The KV-cache group ids whose EAGLE block the coordinator drops."""
+    return set(getattr(coordinator, SEAMS.drop_set))
+
+
+# ---------------------------------------------------------------------------------------------------- #
+# End of the version seams.
+# ---------------------------------------------------------------------------------------------------- #
+
+MODES = SEAMS.modes
+"""Speculative-decoding manager modes of the installed vLLM (policy doc section 1.5)."""
 
 LAYOUT_KEYS = frozenset({"name", "dcp", "prefix_match_unit", "groups"})
 GROUP_KINDS = ("full", "swa", "mamba", "chunked")
@@ -152,7 +235,7 @@ _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 def resolve_manager_mode(
     mode: str, num_speculative_tokens: int = 1, multi_module_mtp: bool = False
 ) -> tuple[bool, int, int]:
-    """Map a harness mode to vLLM 0.33's ``KVCacheManager`` arguments.
+    """Map a harness mode to the installed vLLM's ``KVCacheManager`` arguments.
 
     Mirrors ``VllmConfig.num_prefill_lookahead_tokens``,
     ``VllmConfig.num_hash_lookahead_tokens`` and the scheduler's
@@ -173,7 +256,7 @@ def resolve_manager_mode(
         ``(use_eagle, num_hash_lookahead_tokens, num_prefill_lookahead)``.
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"mode must be one of {MODES} on vLLM {VLLM_VERSION}, got {mode!r}")
     if mode == "none":
         return False, 0, 0
     multi = multi_module_mtp and num_speculative_tokens > 1
@@ -224,7 +307,7 @@ def build_kv_cache_spec(
     """
     kind = group["kind"]
     block_size = group["block_size"]
-    kw: dict[str, Any] = {"is_draft": bool(group.get("eagle", False))}
+    kw: dict[str, Any] = spec_draft_kwargs(group)
     if "dcp_sharded" in group:
         kw["dcp_sharded"] = bool(group["dcp_sharded"])
     if kind == "mamba":
@@ -377,10 +460,10 @@ class VllmHarness:
                 hash_block_size=h,
                 enable_caching=True,
                 use_eagle=self.use_eagle,
-                num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
                 num_prefill_lookahead=self.num_prefill_lookahead,
                 dcp_world_size=dcp,
                 pcp_world_size=1,
+                **manager_lookahead_kwargs(self.num_hash_lookahead_tokens),
             )
         except Exception as e:
             # Every rejection (vLLM asserts, raises ValueError) becomes a
@@ -405,9 +488,7 @@ class VllmHarness:
                 m.block_size for m in coordinator.single_type_managers
             ],
         }
-        self.block_hasher = get_request_block_hasher(
-            h, sha256, self.num_hash_lookahead_tokens
-        )
+        self.block_hasher = request_block_hasher(h, self.num_hash_lookahead_tokens)
         self._sched = self._make_scheduler_stand_in(S, h, max_num_batched_tokens)
         self._request_ids = itertools.count()
         self._last_served: Request | None = None

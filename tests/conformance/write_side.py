@@ -1,4 +1,5 @@
-"""Differential comparison of the ``vllm_0_33`` write side with vLLM 0.33.0's own classes.
+"""Differential comparison of a vLLM release's write side (``vllm_0_33`` on vLLM 0.33.0, ``vllm_0_32`` on
+0.32.0: :data:`.differential.POLICY`) with that release's own classes.
 
 A *write scenario* is a layout, a speculative setting, a retention interval, a prompt of ``N`` tokens served
 once on an empty cache, then a stream of resends of the same prompt (served) and longer siblings (looked up
@@ -40,9 +41,9 @@ from kvhit.refimpl import (
 from kvhit.refimpl.policy import NO_JUNCTION, CacheState, check_retention, num_hashes, repeat
 
 # stall_predicted: the write side assumes every request completes, so a scenario ends at a predicted stall
-from .differential import (VLLM_0_33, Coverage, Mismatch, check_sizes, describe_layout, harness_mode, runs,
+from .differential import (POLICY, Coverage, Mismatch, check_sizes, describe_layout, harness_mode, runs,
                            stall_predicted, to_harness)
-from .vllm_harness import SchedulingStalled, VllmHarness
+from .vllm_harness import VLLM_VERSION, SchedulingStalled, VllmHarness
 
 NO_BUDGET = 10**6
 """``max_num_batched_tokens``: the write side assumes the token budget never cuts a chunk."""
@@ -120,7 +121,7 @@ def model_retained(sizes, cache: CacheState, k: int, n: int) -> list[int]:
     return [x for x in range(h, n - sizes.hash_lookahead + 1, h) if cache.has(k, x)]
 
 
-def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=VLLM_0_33) -> list:
+def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=POLICY) -> list:
     """Run a write scenario on vLLM and compare. Returns ``[(what, N, vllm_outcome), ...]``."""
     sizes = derive_sizes(scenario.layout, scenario.speculation)
     harness = build_write_harness(scenario, sizes)
@@ -136,7 +137,7 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
     def fail(what, vllm, model, extra=""):
         raise Mismatch(f"{what}\n{scenario.describe()}\n  S/h/A/L = {sizes.scheduler_block}/{h}/"
                        f"{sizes.alignment}/{L}\n  requests so far: {history}\n{extra}"
-                       f"  vLLM 0.33.0: {vllm}\n  model [{rules.name}]: {model}")
+                       f"  vLLM {VLLM_VERSION}: {vllm}\n  model [{rules.name}]: {model}")
 
     def lookup(label, prompt, cache, serve):
         """One lookup of ``prompt`` (served or probed) against the model's ``cache``; returns the vLLM
