@@ -26,6 +26,10 @@ Seams (each restored by :func:`uninstall`):
   get_mamba_prefill_checkpoint_position``, and ``Scheduler._mamba_block_aligned_split`` with the
   scheduler module's ``get_mamba_prefill_checkpoint_position``: state is kept at the reference's replay
   boundaries and the scheduler ends a chunk at each Mamba state the reference keeps.
+* Eviction order (enforce, layouts with sliding-window or Mamba groups; :data:`EVICTION_SEAMS`):
+  ``BlockPool.get_new_blocks``, ``BlockPool.touch`` and ``KVCacheCoordinator.allocate_new_computed_blocks``:
+  a block the reference write side caches beyond what vLLM's own would is evicted before any other cached
+  block; the uncached blocks an allocation takes are vLLM's (:class:`EvictionTier`).
 
 An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_length = N - 1``)::
 
@@ -64,6 +68,8 @@ from vllm.v1.core import kv_cache_coordinator as _coordinator_module
 from vllm.v1.core import kv_cache_manager as _manager_module
 from vllm.v1.core import single_type_kv_cache_manager as _single_type_module
 from vllm.v1.core.sched import scheduler as _scheduler_module
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.core.kv_cache_coordinator import eagle_proof_margin
 from vllm.v1.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -268,7 +274,20 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
     for g in coordinator.kv_cache_config.kv_cache_groups:
         if isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.num_prefill_checkpoint_blocks:
             return None, "backend-internal Mamba prefill checkpoints are not modelled"
+    pool = coordinator.block_pool
+    if _sparse_managers(coordinator) and (type(pool) is not BlockPool
+                                          or type(pool.free_block_queue) is not FreeKVCacheBlockQueue):
+        return None, (f"its block pool ({type(pool).__name__} with a {type(pool.free_block_queue).__name__}) "
+                      "is not vLLM's BlockPool and FreeKVCacheBlockQueue, whose eviction order kvhit sets so "
+                      "that the reference's extra sliding-window and Mamba blocks are evicted first")
     return WriteModel(sizes, retention, label), ""
+
+
+def _sparse_managers(coordinator: KVCacheCoordinator) -> tuple[int, ...]:
+    """The KV-cache group ids whose manager caches blocks through a sparse mask (sliding window, Mamba):
+    the groups where the reference write side keeps more than vLLM's (:class:`EvictionTier`)."""
+    return tuple(gid for gid, manager in enumerate(coordinator.single_type_managers)
+                 if type(manager) in (SlidingWindowManager, MambaManager))
 
 
 def _group_of(index: int, group_spec, manager) -> Group:
@@ -963,6 +982,9 @@ def get_kv_cache_coordinator(*args, **kwargs) -> KVCacheCoordinator:
         write_status(None, why)
         return coordinator
     _models[coordinator] = model
+    sparse = _sparse_managers(coordinator)
+    if sparse:
+        _tiers[coordinator.block_pool] = EvictionTier(sparse)
     sizes = model.sizes
     log_once(logging.INFO, "kvhit: layout %s (S=%d, h=%d, A=%d) is modelled; mode %s; write side: reference",
              model.label, sizes.scheduler_block, sizes.hash_block, sizes.alignment, _mode)
@@ -1159,15 +1181,23 @@ def _write_model(coordinator) -> WriteModel | None:
 
 
 def coordinator_cache_blocks(self: KVCacheCoordinator, request, num_computed_tokens: int) -> None:
-    """``KVCacheCoordinator.cache_blocks`` with the reference replay boundaries and Mamba checkpoint."""
+    """``KVCacheCoordinator.cache_blocks`` with the reference replay boundaries and Mamba checkpoint; the
+    blocks vLLM's own write side would not have cached are marked extra (:meth:`EvictionTier.mark`)."""
     write = _write_model(self)
     if write is None:
         return _ORIGINAL_CACHE_BLOCKS(self, request, num_computed_tokens)
+    tier = _tiers.get(self.block_pool)
+    before = tier.cached_counts(self, request.request_id) if tier is not None else None
     token = _writing.set(_Writing(write, request.num_prompt_tokens))
     try:
-        return _ORIGINAL_CACHE_BLOCKS(self, request, num_computed_tokens)
+        _ORIGINAL_CACHE_BLOCKS(self, request, num_computed_tokens)
     finally:
         _writing.reset(token)
+    if tier is not None:
+        try:
+            tier.mark(self, request, before)
+        except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down
+            _write_fall_back(write, e)
 
 
 def coordinator_replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int,
@@ -1240,6 +1270,189 @@ def mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_
 
 
 # --------------------------------------------------------------------------------------------------
+# The eviction order: the reference's extra blocks go first
+# --------------------------------------------------------------------------------------------------
+
+_ORIGINAL_GET_NEW_BLOCKS = BlockPool.__dict__["get_new_blocks"]
+_ORIGINAL_TOUCH = BlockPool.__dict__["touch"]
+_ORIGINAL_ALLOCATE_COMPUTED = KVCacheCoordinator.__dict__["allocate_new_computed_blocks"]
+
+
+class EvictionTier:
+    """The cached blocks of one block pool that the reference write side keeps and vLLM's own would not
+    (*extra* blocks), which the pool evicts before any other cached block (enforce).
+
+    The reference keeps state at its own resume points beside vLLM's replay boundaries (:class:`WriteModel`),
+    so under enforce a request leaves more sliding-window blocks and Mamba states cached than under stock.
+    vLLM's ``get_new_blocks`` takes the blocks at the front of its free queue and evicts the cached ones
+    among them; a freed block joins the front when uncached and the back when cached, so cached blocks are
+    evicted in the order they were freed, and a sliding-window block is freed when the window passes it,
+    before the request's full-attention blocks. On a pool that evicts, the extra blocks would therefore make
+    a later prefill evict blocks stock keeps, vLLM's own tails among them, and a later request hit less
+    than under stock (``tests/adapter/test_eviction_under_enforce.py``). Here an allocation takes the
+    uncached blocks vLLM's takes, then extra blocks (the oldest marked first) in place of the other cached
+    blocks it would evict, which stay cached; so the pool holds at least what stock's would::
+
+        vLLM takes:   | u  c1 u  u  c2 u | ... x ...     the first num_blocks; c1, c2 cached, x extra
+        kvhit's:      | x  u  u  u  c1 u | c2 ...        x is evicted in place of c2, the latest freed
+
+    A block is extra when the request caching it would not have cached it under vLLM's write side: vLLM's
+    ``reachable_block_mask`` on vLLM's ``replay_boundaries`` and the request's junction, with the request's
+    hit counted as a junction too (vLLM's lookup, shorter where the reference's hit is longer, records the
+    shared prefix as its junction). A block a later lookup hits (``touch``) is no longer extra: it serves
+    hits, as the blocks stock keeps do.
+
+    Holds block ids and request ids only, never a block: a block refers to its pool, and the tier is the
+    value of a weak mapping keyed by the pool.
+
+    Attributes:
+        sparse: the KV-cache group ids whose manager caches through a sparse mask (:func:`_sparse_managers`).
+        extra: block id -> the block hash it was marked with, oldest marked first. A block whose hash is no
+            longer that one was evicted (and maybe cached again by another request); it is dropped when met.
+        hits: request id -> the hit its last lookup gave it (``allocate_new_computed_blocks``).
+    """
+
+    def __init__(self, sparse: tuple[int, ...]) -> None:
+        self.sparse = sparse
+        self.extra: dict[int, object] = {}
+        self.hits: dict[str, int] = {}
+
+    def record_hit(self, request_id: str, hit: int, tracked: dict[str, int]) -> None:
+        """Remember ``request_id``'s hit; forget those of requests the managers no longer track
+        (``tracked``: a manager's ``num_cached_block``), once they outnumber the tracked ones."""
+        self.hits[request_id] = hit
+        if len(self.hits) > 2 * len(tracked) + 64:
+            self.hits = {r: h for r, h in self.hits.items() if r in tracked or r == request_id}
+
+    def cached_counts(self, coordinator: KVCacheCoordinator, request_id: str) -> list[int]:
+        """Per sparse group, how many of the request's blocks its manager has cached so far."""
+        managers = coordinator.single_type_managers
+        return [managers[gid].num_cached_block.get(request_id, 0) for gid in self.sparse]
+
+    def mark(self, coordinator: KVCacheCoordinator, request, before: Sequence[int]) -> None:
+        """Mark the request's blocks its last ``cache_blocks`` cached (past ``before``, per sparse group)
+        that vLLM's own mask would not have cached."""
+        request_id = request.request_id
+        managers = coordinator.single_type_managers
+        cached = [(managers[gid], start, managers[gid].num_cached_block.get(request_id, 0))
+                  for gid, start in zip(self.sparse, before)]
+        cached = [(manager, start, end) for manager, start, end in cached if end > start]
+        if not cached:
+            return
+        boundaries = list(_ORIGINAL_REPLAY_BOUNDARIES(request.num_prompt_tokens, coordinator.scheduler_block_size,
+                                                      bool(coordinator.drop_eagle_group_ids)))
+        junctions = [x for x in (request.shared_prefix_boundary, self.hits.get(request_id, 0)) if x]
+        for manager, start, end in cached:
+            # the boundaries SingleTypeKVCacheManager.cache_blocks passes, with vLLM's replay boundaries
+            reachable = boundaries + junctions
+            if manager.use_eagle:
+                reachable += [x - manager.block_size for x in junctions]
+            mask = manager.reachable_block_mask(
+                start_block=start,
+                end_block=end,
+                alignment_tokens=manager.cache_hit_alignment_tokens,
+                kv_cache_spec=manager.kv_cache_spec,
+                use_eagle=manager.use_eagle,
+                retention_interval=coordinator.retention_interval,
+                reachable_boundaries=reachable,
+                dcp_world_size=manager.dcp_world_size,
+            )
+            if mask is None:  # vLLM caches every block there too
+                continue
+            for block, vllm_keeps in zip(manager.req_to_blocks[request_id][start:end], mask):
+                if not vllm_keeps and block.block_hash is not None and not block.is_null:
+                    self.extra.pop(block.block_id, None)
+                    self.extra[block.block_id] = block.block_hash
+
+    def unmark(self, blocks) -> None:
+        """A lookup hit ``blocks``: none of them is extra any more."""
+        pop = self.extra.pop
+        for block in blocks:
+            pop(block.block_id, None)
+
+    def evict_extra_first(self, pool: BlockPool, num_blocks: int) -> None:
+        """Before ``pool.get_new_blocks(num_blocks)``, which takes the first ``num_blocks`` blocks of the free
+        queue and evicts the cached ones among them: if some of those are not extra, move free extra blocks
+        from further back (oldest marked first) to the front in place of as many of them, the latest freed
+        first, which stay in the queue. The uncached blocks vLLM takes are the same. Blocks are moved with
+        the free queue's own ``remove`` and ``prepend_n``; the queue is walked ``num_blocks`` far, as
+        ``popleft_n`` walks it."""
+        queue = pool.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            return  # vLLM raises
+        extra = self.extra
+        window, victims = [], []  # the blocks vLLM takes; the cached ones among them that are not extra
+        block = queue.fake_free_list_head.next_free_block
+        for _ in range(num_blocks):
+            window.append(block)
+            block_hash = block.block_hash
+            if block_hash is not None and extra.get(block.block_id) is not block_hash:
+                victims.append(block)
+            block = block.next_free_block
+        if not victims:
+            return
+        in_window = {b.block_id for b in window}
+        chosen, gone = [], []
+        blocks = pool.blocks
+        for block_id, block_hash in extra.items():
+            block = blocks[block_id]
+            if block.block_hash is not block_hash:
+                gone.append(block_id)  # evicted since it was marked
+            elif block.ref_cnt == 0 and block.prev_free_block is not None and block_id not in in_window:
+                chosen.append(block)
+                if len(chosen) == len(victims):
+                    break
+        for block_id in gone:
+            del extra[block_id]
+        if not chosen:
+            return
+        spared = victims[len(victims) - len(chosen):]
+        first = window.index(spared[0])
+        spared_ids = {b.block_id for b in spared}
+        moved = [b for b in window[first:] if b.block_id not in spared_ids]
+        for block in chosen:
+            del extra[block.block_id]
+        for block in chosen + moved:
+            queue.remove(block)
+        queue.prepend_n(chosen + moved)
+
+
+# The eviction tier of each block pool of a modelled coordinator with sparse groups (see EvictionTier).
+_tiers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def block_pool_get_new_blocks(self: BlockPool, num_blocks: int):
+    """``BlockPool.get_new_blocks``; under enforce, the extra blocks of :class:`EvictionTier` are evicted
+    before any other cached block."""
+    tier = _tiers.get(self)
+    if tier is not None and tier.extra and _mode == "enforce":
+        tier.evict_extra_first(self, num_blocks)
+    return _ORIGINAL_GET_NEW_BLOCKS(self, num_blocks)
+
+
+def block_pool_touch(self: BlockPool, blocks) -> None:
+    """``BlockPool.touch``: a block a lookup hits is no longer one of :class:`EvictionTier`'s extra blocks."""
+    tier = _tiers.get(self)
+    if tier is not None and tier.extra:
+        tier.unmark(blocks)
+    return _ORIGINAL_TOUCH(self, blocks)
+
+
+def coordinator_allocate_new_computed_blocks(self: KVCacheCoordinator, request_id: str, new_computed_blocks,
+                                             num_local_computed_tokens: int, *args, **kwargs) -> None:
+    """``KVCacheCoordinator.allocate_new_computed_blocks``: under enforce, the request's hit (for a
+    request the managers do not track yet: vLLM's no-op for a running one) is remembered for
+    :meth:`EvictionTier.mark`."""
+    tier = _tiers.get(self.block_pool) if _mode == "enforce" else None
+    if tier is not None:
+        tracked = self.single_type_managers[0].num_cached_block
+        if request_id not in tracked:
+            tier.record_hit(request_id, num_local_computed_tokens, tracked)
+    return _ORIGINAL_ALLOCATE_COMPUTED(self, request_id, new_computed_blocks, num_local_computed_tokens, *args,
+                                       **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
 # install / uninstall
 # --------------------------------------------------------------------------------------------------
 
@@ -1262,7 +1475,19 @@ SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
     (_scheduler_module.Scheduler, "_mamba_block_aligned_split", _ORIGINAL_MAMBA_SPLIT,
      mamba_block_aligned_split),
 )
-"""(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""
+"""(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces on the lookup
+and write paths."""
+
+EVICTION_SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
+    (BlockPool, "get_new_blocks", _ORIGINAL_GET_NEW_BLOCKS, block_pool_get_new_blocks),
+    (BlockPool, "touch", _ORIGINAL_TOUCH, block_pool_touch),
+    (KVCacheCoordinator, "allocate_new_computed_blocks", _ORIGINAL_ALLOCATE_COMPUTED,
+     coordinator_allocate_new_computed_blocks),
+)
+"""The same for the eviction order (:class:`EvictionTier`), installed and restored with :data:`SEAMS`. They
+act only on the block pools of modelled coordinators with sliding-window or Mamba groups, in enforce."""
+
+_ALL_SEAMS = SEAMS + EVICTION_SEAMS
 
 
 _MODULES = (_manager_module, _coordinator_module, _single_type_module, _scheduler_module)
@@ -1287,17 +1512,17 @@ def install(mode: str) -> bool:
     assert mode in ("shadow", "enforce"), mode
     if _mode == mode:
         return True
-    for owner, name, original, replacement in SEAMS:
+    for owner, name, original, replacement in _ALL_SEAMS:
         current = vars(owner)[name]
         if current is not original and current is not replacement:
             log_once(logging.ERROR, "kvhit: %s was already replaced by %r; vLLM is left as it is",
                      _seam_name(owner, name), current)
             return False
-    for owner, name, _, replacement in SEAMS:
+    for owner, name, _, replacement in _ALL_SEAMS:
         setattr(owner, name, replacement)
     _mode = mode
     log_once(logging.INFO, "kvhit: mode %s on vLLM %s: replaced %s", mode, VLLM_VERSION,
-             ", ".join(_seam_name(owner, name) for owner, name, _, _ in SEAMS))
+             ", ".join(_seam_name(owner, name) for owner, name, _, _ in _ALL_SEAMS))
     return True
 
 
@@ -1306,7 +1531,7 @@ def uninstall() -> None:
     global _mode
     if _mode == "off":
         return
-    for owner, name, original, _ in SEAMS:
+    for owner, name, original, _ in _ALL_SEAMS:
         setattr(owner, name, original)
     _mode = "off"
     log_once(logging.INFO, "kvhit: uninstalled; vLLM's originals restored")
