@@ -1,26 +1,35 @@
-"""Why enforce serves less than stock on ``dsv4_cuda-drop/preempting/2048`` (issues 17 and 18), measured
-through vLLM 0.33's real ``Scheduler`` (``tests.adapter.serving``'s stream and pool, in a process per mode).
+"""Why enforce served less than stock on ``dsv4_cuda-drop/preempting/2048`` (issues 17 and 18), and the
+eviction order that restores enforce >= stock there, measured through vLLM 0.33's real ``Scheduler``
+(``tests.adapter.serving``'s stream and pool, in a process per mode).
 
 The stream: ``a`` (5374 tokens) and ``b`` (5373, sharing a's first 3000) arrive together on a pool of 966
-blocks, the stream's stock peak less one, so ``b`` waits until ``a`` has finished; then ``b`` twice and
-``a`` again (``a-1``). The claims, in the order the cause runs:
+blocks, the stream's stock peak less one, so ``b`` waits until ``a`` has finished; then ``b`` twice
+(``b-1``, ``b-2``) and ``a`` again (``a-1``). Three processes: stock; enforce; and enforce with vLLM's own
+eviction order (``EvictionTier.evict_extra_first`` disabled in that process: the adapter before it). The
+claims, in the order the cause runs:
 
 1. The write side is the model's: after ``a`` the pool holds, per KV-cache group, exactly the boundaries
    ``refimpl.request_writes`` says (``vllm_0_33`` under stock, ``reference`` under enforce): nothing is held
    that the model does not retain. Until ``b`` ends the requests hold as many blocks per group at every
    step in both modes (no sliding-window block outside the window is kept longer).
 2. The reference keeps a second set of sliding-window tails: at its own resend point 5120 beside vLLM's
-   4864, 21 blocks more (SWA-64 (EAGLE) 3, SWA-8 16, SWA-4 2; the MLA groups the same).
+   4864, 21 blocks more (SWA-64 (EAGLE) 3, SWA-8 16, SWA-4 2; the MLA groups the same). The adapter marks
+   exactly these as extra (vLLM's mask on vLLM's boundaries would not cache them).
 3. Those 21 blocks are what the pool lacks: ``b``'s prefill needs more uncached free blocks than remain
-   under enforce, and vLLM evicts 14 cached blocks (none under stock). vLLM's free queue evicts cached
-   blocks in the order they were freed, and a sliding-window block is freed when the window passes it,
-   during ``a``'s last prefill chunk, before ``a``'s MLA blocks are freed at its end: the evicted blocks are
-   all six of ``a``'s SWA-64 tail blocks (vLLM's tail at 4864 as well as the reference's at 5120) and eight
-   SWA-8 blocks of the tail at 5120. ``a-1`` then hits 2816 (``b``'s junction) where stock hits 4864.
-4. The reference read side is not what loses: on stock's pool at ``a-1``'s lookup it hits 4864, stock's
-   hit. Had the 14 evictions taken 14 of the 21 extra blocks instead, enforce's pool would hold stock's
-   cache and more (the eviction rule proposed in ``test_serving_conditions.EXPECTED_BELOW_STOCK``; not
-   implemented).
+   under enforce, and its first allocation that reaches cached blocks (512 SWA-4 blocks for a 2048-token
+   chunk) would evict the 14 cached blocks at the front of vLLM's free queue: a sliding-window block is
+   freed when the window passes it, during ``a``'s last prefill chunk, before ``a``'s MLA blocks are freed
+   at its end, so those 14 are all six of ``a``'s SWA-64 tail blocks (vLLM's tail at 4864 as well as the
+   reference's at 5120) and eight SWA-8 blocks of the tail at 5120. Eleven of them are extra; in place of
+   the other three (vLLM's SWA-64 tail at 4864) the adapter hands vLLM the three oldest marked extra blocks
+   further back in the queue (SWA-8 5000, 5008, 5016). So 14 evictions, all of extra blocks, against none
+   under stock, and vLLM's own tails survive.
+4. Every request then hits at least stock's hit: ``b-1`` 5120 (stock 4864: the reference's tail at 5120
+   that ``b`` left), ``b-2`` 5120, ``a-1`` 4864 (stock's, the tail vLLM's write side keeps); 14 evictions in
+   the whole stream. With vLLM's order the same 14 evictions take vLLM's SWA-64 tail too, ``a-1`` falls back
+   to ``b``'s junction at 2816, and its longer prefill evicts 87 blocks more (101).
+5. The reference read side is not what loses: on stock's pool at ``a-1``'s lookup it hits 4864, stock's
+   hit.
 """
 
 from __future__ import annotations
@@ -37,6 +46,10 @@ from tests.adapter import scheduler_run, serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASE, CONDITION, BUDGET = "dsv4_cuda-drop", "preempting", 2048
+VLLM_ORDER = "enforce-vllm-order"  # enforce with vLLM's own eviction order (EvictionTier's disabled)
+MODES = ("stock", "enforce", VLLM_ORDER)
+# Per KV-cache group, the boundaries a's first serve leaves under enforce beyond stock's (claim 2)
+EXTRA = [[], [], [], [5056, 5120, 5184], list(range(5000, 5121, 8)), [5116, 5120]]
 
 
 def _serve(models_dir: str) -> dict:
@@ -51,6 +64,7 @@ def _serve(models_dir: str) -> dict:
     left: dict[str, list[list[int]]] = {}
     evicted: list[tuple[int, int]] = []
     tables: list[list[int]] = []  # per step, the blocks the running requests hold per group
+    extra_after_a: list[tuple[int, int]] = []  # the pool's extra blocks when a finished (enforce)
     step = scheduler_run.step
     with serving.Observer(record_pool=True) as observer:
         scheduler, block_hasher = serving.build(case, models_dir, BUDGET, num_gpu_blocks)
@@ -78,6 +92,8 @@ def _serve(models_dir: str) -> dict:
                 for o in outputs.outputs:
                     if o.finish_reason is not None and o.request_id in hashes:
                         left[o.request_id] = serving.pool_boundaries(s, hashes[o.request_id])
+                        if o.request_id == "a":
+                            extra_after_a.extend(_marked_extra(pool))
             return scheduler_output, engine_outputs
 
         scheduler_run.step = observed_step  # serve_stream steps through this name
@@ -86,30 +102,47 @@ def _serve(models_dir: str) -> dict:
         finally:
             scheduler_run.step = step
     return {"served": {s["request_id"]: s for s in served}, "left": left, "evicted": evicted,
+            "extra_after_a": sorted(extra_after_a),
             "tables": tables, "groups": serving.describe_groups(scheduler), "num_blocks": num_gpu_blocks}
+
+
+def _marked_extra(pool) -> list[tuple[int, int]]:
+    """``(KV-cache group, boundary)`` of the blocks the adapter's ``EvictionTier`` of ``pool`` holds as
+    extra (none when kvhit is not loaded or keeps no tier for the pool)."""
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    v0_33 = sys.modules.get("kvhit.adapters.vllm.v0_33")
+    tier = v0_33._tiers.get(pool) if v0_33 is not None else None
+    if tier is None:
+        return []
+    marked = [pool.blocks[block_id] for block_id, block_hash in tier.extra.items()
+              if pool.blocks[block_id].block_hash is block_hash]
+    return [(get_group_id(b.block_hash), b.block_hash_num_tokens) for b in marked]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``{"stock": ..., "enforce": ...}``: the stream in a process per mode (stock: kvhit's plugin not
+    """``{mode: result}`` for :data:`MODES`: the stream in a process per mode (stock: kvhit's plugin not
     loaded; enforce: loaded through vLLM's plugin loader), one after the other."""
     work = tmp_path_factory.mktemp("eviction")
     scheduler_run.write_models(str(work / "models"))
     results = {}
-    for mode in ("stock", "enforce"):
+    for mode in MODES:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
         env.update(VLLM_PLUGINS="kvhit", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        if mode == "enforce":
-            env["KVHIT_MODE"] = mode
+        if mode != "stock":
+            env["KVHIT_MODE"] = "enforce"
         out = work / f"{mode}.json"
-        process = subprocess.run([sys.executable, "-m", "tests.adapter.test_eviction_under_enforce", str(out), str(work / "models")], cwd=ROOT,
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 timeout=600)
+        command = [sys.executable, "-m", "tests.adapter.test_eviction_under_enforce", str(out), str(work / "models")]
+        if mode == VLLM_ORDER:
+            command.append(VLLM_ORDER)
+        process = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, timeout=600)
         if process.returncode != 0:
             pytest.fail(f"the stream under {mode!r} exited {process.returncode}:\n{process.stdout[-6000:]}")
         with open(out) as f:
             results[mode] = json.load(f)
-        assert results[mode]["kvhit_mode"] == (None if mode == "stock" else mode)
+        assert results[mode]["kvhit_mode"] == (None if mode == "stock" else "enforce")
         results[mode]["evicted"] = [tuple(e) for e in results[mode]["evicted"]]
     return results
 
@@ -153,22 +186,54 @@ def test_the_reference_keeps_a_second_sliding_window_tail_of_21_blocks(runs):
     assert all(set(s) <= set(e) for s, e in zip(stock, enforce))
     extra = [sorted(set(e) - set(s)) for s, e in zip(stock, enforce)]
     assert [g["block_size"] for g in runs["enforce"]["groups"]] == [256, 256, 256, 64, 8, 4]
-    assert extra == [[], [], [], [5056, 5120, 5184], list(range(5000, 5121, 8)), [5116, 5120]]
+    assert extra == EXTRA
     assert [len(s) for s in stock] == [21, 21, 21, 3, 16, 2]
 
 
-def test_the_extra_blocks_make_b_evict_a_s_tails_and_a_s_resend_hits_less(runs):
-    """``b``'s prefill evicts nothing under stock and 14 of ``a``'s sliding-window blocks under enforce:
-    every SWA-64 tail block (4864's and 5120's) and SWA-8's 5064..5120; ``a-1`` hits 2816 against 4864."""
+def test_the_adapter_marks_exactly_the_blocks_the_reference_keeps_beyond_vllm(runs):
+    """When ``a`` has been cached, the pool's extra blocks (``EvictionTier.extra``) are the 21 of claim 2."""
+    assert runs["enforce"]["extra_after_a"] == [list(x) for x in _extra_pairs()]
+
+
+def _extra_pairs() -> list[tuple[int, int]]:
+    return sorted((gid, x) for gid, xs in enumerate(EXTRA) for x in xs)
+
+
+def test_b_s_prefill_evicts_only_blocks_the_reference_keeps_beyond_vllm(runs):
+    """``b``'s prefill evicts nothing under stock and 14 blocks under enforce, all of them extra: the
+    eleven extra ones among the 14 cached blocks vLLM's allocation would take (SWA-64 5056..5184, SWA-8
+    5064..5120) and, in place of vLLM's SWA-64 tail at 4864, the three oldest marked extra blocks further
+    back (SWA-8 5000..5016). Nothing else is evicted in the stream."""
     stock, enforce = runs["stock"], runs["enforce"]
-    before_b1 = {m: runs[m]["served"]["b-1"]["lookups"][0]["evictions"] for m in runs}
-    assert before_b1 == {"stock": 0, "enforce": 14}
-    assert sorted(enforce["evicted"][:14]) == sorted(
-        [(3, x) for x in (4800, 4864, 4928, 5056, 5120, 5184)] + [(4, x) for x in range(5064, 5121, 8)])
-    assert enforce["served"]["a-1"]["lookups"][0]["evictions"] == 14  # nothing more before a-1's lookup
-    assert (stock["served"]["a-1"]["num_cached_tokens"], enforce["served"]["a-1"]["num_cached_tokens"]) == (
-        4864, 2816)
+    assert {m: runs[m]["served"]["b-1"]["lookups"][0]["evictions"] for m in ("stock", "enforce")} == {
+        "stock": 0, "enforce": 14}
+    assert sorted(enforce["evicted"]) == sorted(
+        [(3, x) for x in (5056, 5120, 5184)] + [(4, x) for x in (5000, 5008, 5016, *range(5064, 5121, 8))])
+    assert set(enforce["evicted"]) <= set(_extra_pairs())
+    assert (len(stock["evicted"]), len(enforce["evicted"])) == (0, 14)
     assert stock["num_blocks"] == enforce["num_blocks"] == 966
+
+
+def test_enforce_serves_every_request_at_least_stock_s_hit(runs):
+    """``b-1`` hits the reference's tail at 5120 that ``b`` left (stock 4864), ``b-2`` 5120 as stock, and
+    ``a-1`` stock's 4864: vLLM's tail at 4864 survived ``b``'s prefill."""
+    hits = {m: [runs[m]["served"][r]["num_cached_tokens"] for r in ("a", "b", "b-1", "b-2", "a-1")]
+            for m in ("stock", "enforce")}
+    assert hits == {"stock": [0, 0, 4864, 5120, 4864], "enforce": [0, 0, 5120, 5120, 4864]}
+
+
+def test_with_vllm_s_eviction_order_a_s_resend_hits_less(runs):
+    """What the rule changes (the adapter before it): the same 14 evictions before ``b-1``, but the 14
+    cached blocks at the front of vLLM's queue: every SWA-64 tail block (4864's and 5120's) and SWA-8's
+    5064..5120; ``a-1`` then hits 2816 (``b``'s junction) against stock's 4864, and its prefill evicts
+    87 blocks more."""
+    run = runs[VLLM_ORDER]
+    assert run["served"]["b-1"]["lookups"][0]["evictions"] == 14
+    assert sorted(run["evicted"][:14]) == sorted(
+        [(3, x) for x in (4800, 4864, 4928, 5056, 5120, 5184)] + [(4, x) for x in range(5064, 5121, 8)])
+    assert run["served"]["a-1"]["lookups"][0]["evictions"] == 14  # nothing more before a-1's lookup
+    assert [run["served"][r]["num_cached_tokens"] for r in ("b-1", "b-2", "a-1")] == [5120, 5120, 2816]
+    assert len(run["evicted"]) == 101
 
 
 def test_the_reference_read_side_hits_stock_s_hit_on_stock_s_pool(runs):
@@ -186,10 +251,15 @@ def test_the_reference_read_side_hits_stock_s_hit_on_stock_s_pool(runs):
 
 
 def main(argv=None) -> None:
-    """``python -m tests.adapter.test_eviction_under_enforce OUT.json MODELS_DIR``: the stream under the
-    mode ``KVHIT_MODE`` names, as JSON."""
-    out, models_dir = argv if argv is not None else sys.argv[1:]
+    """``python -m tests.adapter.test_eviction_under_enforce OUT.json MODELS_DIR [enforce-vllm-order]``: the
+    stream under the mode ``KVHIT_MODE`` names (with the last argument, enforce keeps vLLM's eviction
+    order), as JSON."""
+    out, models_dir, *order = argv if argv is not None else sys.argv[1:]
     serving.setup_environment()
+    if order == [VLLM_ORDER]:
+        from kvhit.adapters.vllm import v0_33
+
+        v0_33.EvictionTier.evict_extra_first = lambda self, pool, num_blocks: None
     result = _serve(models_dir)
     result["kvhit_mode"] = (sys.modules["kvhit.adapters.vllm"].current_mode()
                             if "kvhit.adapters.vllm" in sys.modules else None)
