@@ -26,6 +26,8 @@ def _write_side(terminalreporter):
       f"{s.resends} resends, {s.siblings} sibling lookups (hit > 0: {s.positive}); IndexError predicted and "
       f"raised: {s.crashes_predicted}; scheduler stalls (docs/findings.md, S1): {s.stalls}")
     w(f"resends hitting less than with every state retained (dense): {s.below_dense}")
+    w(f"diverging prompts served: {s.diverging}; prompts sharing their junction looked up: {s.at_junction} "
+      f"(hit > 0: {s.at_junction_positive})")
     w(f"throughput {s.scenarios / s.seconds if s.seconds else 0.0:.1f} scenarios/s ({s.seconds:.1f} s)")
     for line in s.lines():
         w(line)

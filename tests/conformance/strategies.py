@@ -122,7 +122,8 @@ def random_layouts(draw):
 def write_scenarios(draw, layout: Layout, speculations=SPECULATIONS):
     """A write-side scenario over ``layout`` (:class:`.write_side.WriteScenario`): a first request of a
     length drawn around the policy's sizes, then one to four resends and longer siblings (one token longer,
-    a few tokens, a block or two, or a far sibling). Only settings whose write side the spec models."""
+    a few tokens, a block or two, or a far sibling), and a third of the time a prompt diverging from it and
+    one sharing the junction that records. Only settings whose write side the spec models."""
     from hypothesis import assume
 
     from .write_side import WriteScenario, in_scope
@@ -145,4 +146,8 @@ def write_scenarios(draw, layout: Layout, speculations=SPECULATIONS):
             unit = draw(st.sampled_from(units))
             extra = draw(st.sampled_from([1, 2, 3, unit, unit + 1, S, 2 * S + sizes.hash_lookahead + 1]))
             ops.append(("sibling", extra))
+    if draw(st.integers(0, 2)) == 0:
+        # a prompt diverging from this one, then one sharing the junction it records (D3)
+        cut = draw(st.sampled_from([n - 1, n // 2, draw(lengths(units, max(1, n - 1)))]))
+        ops.append(("diverge", cut, draw(lengths(units, top)), draw(st.sampled_from([1, 2, S, 300]))))
     return WriteScenario(layout, speculation, retention, n, tuple(ops), seed=draw(st.integers(0, 2**32 - 1)))

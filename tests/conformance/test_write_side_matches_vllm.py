@@ -2,7 +2,9 @@
 boundaries after the first request), the hits of its resends, and the hits of longer siblings, equal that
 release's policy's write side (``vllm_0_33`` on 0.33.0, ``vllm_0_32`` on 0.32.0: ``refimpl.request_writes``
 / ``written_cache`` / ``repeat_hits``) over every catalogue layout with a modelled write side (DCP 1, 2 and 4
-where vLLM supports it), every speculative mode the release has and every retention interval, and random layouts (see :mod:`.write_side` for what is compared).
+where vLLM supports it), every speculative mode the release has and every retention interval, and random
+layouts, and a prompt diverging from the first and one sharing the junction it records (see
+:mod:`.write_side` for what is compared).
 
 The number of scenarios is ``KVHIT_WRITE_SCENARIOS`` (default 2,000; ``make conformance-long`` runs 20,000),
 split over the cases below in proportion to their weights.
@@ -80,7 +82,17 @@ PINNED += [WriteScenario(_TAIL_LAYOUT, speculation, retention, n, (("resend",), 
            for speculation in (Speculation("drop", 1), Speculation("none"))
            for retention in (0, None) for n in (160, 192, 288, 416)]
 
+# D3 (docs/notes/vllm-0.32-policy.md, section 5.3): a prompt diverging from a first one, then one sharing the
+# junction it records, with the EAGLE drop at retention 0. vLLM 0.33 keeps the dropping groups' state one block
+# below the junction too and 0.32 does not: on gemma at N = 2000, cut 1500 (J = 1408) the third prompt hits
+# 1344 on 0.33 and 0 on 0.32 (the generator's gemma prompts stay below 1,544 tokens, where the two agree).
+_SWA_EAGLE = Layout((Group("full", 16), Group("swa", 16, window=32, eagle=True)), name="swa_eagle")
+PINNED += [WriteScenario(layout, Speculation("drop", 1), 0, n, (("diverge", cut, n - cut, 300),), seed=n)
+           for layout in (to_refimpl(CATALOGUE["gemma"]), _SWA_EAGLE)
+           for n, cut in ((2000, 1500), (2000, 1000), (700, 450), (300, 200))]
 
-@pytest.mark.parametrize("scenario", PINNED, ids=[f"{s.speculation.describe()}-R{s.retention}-N{s.n}" for s in PINNED])
+
+@pytest.mark.parametrize("scenario", PINNED,
+                         ids=[f"{s.layout.name}-{s.speculation.describe()}-R{s.retention}-N{s.n}" for s in PINNED])
 def test_pinned_write_scenarios(scenario):
     _timed(scenario)

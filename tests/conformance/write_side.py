@@ -18,6 +18,11 @@ Compared, explicitly:
 * **sibling hits**: a longer prompt extending the ``N`` tokens, looked up on the cache the requests so far
   left (the model's: ``request_writes`` merged with each resend's writes, as ``repeat`` does), hits what
   ``hit_tokens`` says on that cache, with the same ``shared_prefix_boundary``;
+* **diverging prompts** (a stream's last op): a prompt sharing the first ``cut`` tokens and then diverging is
+  served on that cache (what the prompt left, clipped to the ``cut`` tokens it shares: ``clip``); its hit and
+  ``shared_prefix_boundary`` equal the model's, and a third prompt sharing exactly the junction ``J`` it
+  recorded is looked up on the union of both prompts' writes clipped to ``J`` (D3 of
+  docs/notes/vllm-0.32-policy.md: 0.33 keeps a dropping group's state at ``J`` and ``J - b``, 0.32 at ``J``);
 * **crashes**: vLLM raises ``IndexError`` in a lookup exactly where the model reads past the hashes (F1).
 
 A mismatch raises :class:`~.differential.Mismatch` with the layout, the stream and both outputs.
@@ -38,7 +43,7 @@ from kvhit.refimpl import (
     request_writes,
     written_cache,
 )
-from kvhit.refimpl.policy import NO_JUNCTION, CacheState, check_retention, num_hashes, repeat
+from kvhit.refimpl.policy import NO_JUNCTION, CacheState, check_retention, clip, junction_of, num_hashes, repeat
 
 # stall_predicted: the write side assumes every request completes, so a scenario ends at a predicted stall
 from .differential import (POLICY, Coverage, Mismatch, check_sizes, describe_layout, harness_mode, runs,
@@ -52,7 +57,9 @@ NO_BUDGET = 10**6
 @dataclass(frozen=True)
 class WriteScenario:
     """A first request of ``n`` tokens on an empty cache, then ``ops``: ``("resend",)`` serves the same
-    prompt again; ``("sibling", extra)`` looks up the prompt extended by ``extra`` fresh tokens."""
+    prompt again; ``("sibling", extra)`` looks up the prompt extended by ``extra`` fresh tokens;
+    ``("diverge", cut, extra, tail)`` (last) serves the first ``cut`` tokens plus ``extra`` fresh ones, then
+    looks up the first ``J`` tokens of that prompt plus ``tail`` fresh ones, ``J`` the junction it recorded."""
 
     layout: Layout
     speculation: Speculation
@@ -62,8 +69,14 @@ class WriteScenario:
     seed: int = 0
 
     def describe(self) -> str:
-        stream = "; ".join(["serve(new %d)" % self.n] + [
-            "serve(resend)" if op[0] == "resend" else f"probe(sibling +{op[1]})" for op in self.ops])
+        def step(op):
+            if op[0] == "resend":
+                return "serve(resend)"
+            if op[0] == "sibling":
+                return f"probe(sibling +{op[1]})"
+            return f"serve(diverge [:{op[1]}] + {op[2]}); probe(that [:J] + {op[3]})"
+
+        stream = "; ".join(["serve(new %d)" % self.n] + [step(op) for op in self.ops])
         return (f"{describe_layout(self.layout)} {self.speculation.describe()} "
                 f"(k={self.speculation.num_speculative_tokens}) retention={self.retention}\n"
                 f"  stream: {stream}")
@@ -82,6 +95,11 @@ class WriteStats(Coverage):
     stalls: int = 0
     below_dense: int = 0
     """Resends whose hit is below what the same prompt would hit with every state retained (dense)."""
+    diverging: int = 0
+    """Diverging prompts served (a ``("diverge", ...)`` op)."""
+    at_junction: int = 0
+    """Prompts sharing exactly the junction a diverging prompt recorded, looked up (hit > 0: the next)."""
+    at_junction_positive: int = 0
     seconds: float = 0.0
 
 
@@ -100,6 +118,7 @@ def in_scope(layout: Layout, speculation: Speculation, retention) -> bool:
 
 def build_write_harness(scenario: WriteScenario, sizes) -> VllmHarness:
     longest = scenario.n + max([op[1] for op in scenario.ops if op[0] == "sibling"], default=0)
+    longest = max([longest] + [op[1] + max(op[2], op[3]) for op in scenario.ops if op[0] == "diverge"])
     longest += 4 + scenario.speculation.num_speculative_tokens
     S = sizes.scheduler_block
     max_model_len = (longest // S + 2) * S
@@ -173,6 +192,36 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
         history.append((label, len(prompt), out["hit"]))
         return out | {"model_hit": hit, "model_longest": longest}
 
+    def diverge(cut, extra, tail):
+        """A prompt sharing the first ``cut`` tokens, served; then one sharing its junction, looked up."""
+        cut = max(1, min(cut, n))
+        prompt = tokens[:cut] + [rng.randrange(1, 50_000) for _ in range(extra)]
+        out = lookup(f"diverge [:{cut}] + {extra}", prompt, written_cache(tuple((clip(sizes, g, cut),)
+                                                                               for g in groups)), serve=True)
+        if out is None:
+            return
+        spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
+        if (out["hit"], out["spb"]) != (out["model_hit"], spb):
+            fail(f"a prompt of {len(prompt)} tokens sharing {cut} differs", f"hit {out['hit']}, "
+                 f"shared_prefix_boundary {out['spb']}", f"hit {out['model_hit']}, longest {out['model_longest']}")
+        stats.diverging += 1
+        junction = junction_of(sizes, out["model_hit"], out["model_longest"], rules)
+        if junction <= 0:
+            return
+        writes = request_writes(sizes, len(prompt), R, rules, out["model_hit"], junction)
+        at = prompt[:junction] + [rng.randrange(1, 50_000) for _ in range(tail)]
+        layered = tuple((clip(sizes, groups[k], min(junction, cut)), clip(sizes, writes[k], junction))
+                        for k in range(len(sizes.groups)))
+        out = lookup(f"at junction [:{junction}] + {tail}", at, written_cache(layered), serve=False)
+        if out is None:
+            return
+        spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
+        if (out["hit"], out["spb"]) != (out["model_hit"], spb):
+            fail(f"a prompt sharing the junction {junction} differs", f"hit {out['hit']}, shared_prefix_boundary "
+                 f"{out['spb']}", f"hit {out['model_hit']}, longest {out['model_longest']}")
+        stats.at_junction += 1
+        stats.at_junction_positive += out["hit"] > 0
+
     # The first request on an empty cache.
     empty = CacheState(lambda k, x: False)
     if lookup("first", tokens, empty, serve=True) is None:
@@ -192,6 +241,9 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
 
     resends = 0
     for op in scenario.ops:
+        if op[0] == "diverge":
+            diverge(*op[1:])
+            return history
         if op[0] == "resend":
             resends += 1
             out = lookup(f"resend {resends}", tokens, cache, serve=True)
