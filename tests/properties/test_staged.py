@@ -35,6 +35,12 @@ class _Recording(refimpl.CacheState):
 def _check(layout, speculation, n, sets, policy):
     rules = refimpl.ALL_POLICIES[policy]
     sizes = refimpl.derive_sizes(layout, speculation, rules.scale_replicated)
+    if sizes.hash_lookahead and not rules.lookahead_hashes:  # vllm_0_32 has no lookahead mode: both refuse
+        with pytest.raises(ValueError, match="no lookahead block hashes"):
+            stage.stage_hit_tokens(layout, speculation, policy)
+        with pytest.raises(ValueError, match="no lookahead block hashes"):
+            refimpl.hit_tokens(_Recording(sets), sizes, n, rules)
+        return None
     try:
         source, staged = stage.stage_hit_tokens(layout, speculation, policy)
     except SymbolicBranchError:
