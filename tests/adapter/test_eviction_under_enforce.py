@@ -35,16 +35,13 @@ claims, in the order the cause runs:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
 import kvhit.refimpl as R
-from tests.adapter import scheduler_run, serving
+from tests.adapter import child_runs, scheduler_run, serving
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASE, CONDITION, BUDGET = "dsv4_cuda-drop", "preempting", 2048
 VLLM_ORDER = "enforce-vllm-order"  # enforce with vLLM's own eviction order (EvictionTier's disabled)
 MODES = ("stock", "enforce", VLLM_ORDER)
@@ -128,20 +125,11 @@ def runs(tmp_path_factory):
     scheduler_run.write_models(str(work / "models"))
     results = {}
     for mode in MODES:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
-        env.update(VLLM_PLUGINS="kvhit", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        if mode != "stock":
-            env["KVHIT_MODE"] = "enforce"
         out = work / f"{mode}.json"
-        command = [sys.executable, "-m", "tests.adapter.test_eviction_under_enforce", str(out), str(work / "models")]
-        if mode == VLLM_ORDER:
-            command.append(VLLM_ORDER)
-        process = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, timeout=600)
-        if process.returncode != 0:
-            pytest.fail(f"the stream under {mode!r} exited {process.returncode}:\n{process.stdout[-6000:]}")
-        with open(out) as f:
-            results[mode] = json.load(f)
+        args = [out, work / "models"] + ([VLLM_ORDER] if mode == VLLM_ORDER else [])
+        process = child_runs.start("tests.adapter.test_eviction_under_enforce", args,
+                                   child_runs.env(None if mode == "stock" else "enforce"))
+        results[mode] = child_runs.collect({mode: (out, process)}, timeout=600)[mode][0]
         assert results[mode]["kvhit_mode"] == (None if mode == "stock" else "enforce")
         results[mode]["evicted"] = [tuple(e) for e in results[mode]["evicted"]]
     return results

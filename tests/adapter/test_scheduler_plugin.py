@@ -17,17 +17,13 @@ planner made) and on the hash boundaries the run's block pool held for the promp
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 import kvhit.refimpl as R
-from tests.adapter import scheduler_run
+from tests.adapter import child_runs, scheduler_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The layouts vLLM's planner makes for the scenarios' models. The draft's layers share the target's
 # full-attention spec, so they join its group and flag it as the EAGLE group (``is_eagle_group``); with a
@@ -93,22 +89,11 @@ def runs(tmp_path_factory):
     scheduler_run.write_models(str(work / "models"))
     started = {}
     for name, (extra, kvhit_mode) in RUNS.items():
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
-        env.update(VLLM_PLUGINS="kvhit", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        if kvhit_mode is not None:
-            env["KVHIT_MODE"] = kvhit_mode
         out = work / f"{name.replace(' ', '_')}.json"
-        started[name] = (out, subprocess.Popen(
-            [sys.executable, "-m", "tests.adapter.scheduler_run", str(out), str(work / "models"), *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results = {}
-    for name, (out, process) in started.items():
-        log, _ = process.communicate(timeout=900)
-        if process.returncode != 0:
-            pytest.fail(f"scheduler run {name!r} exited {process.returncode}:\n{log[-6000:]}")
-        with open(out) as f:
-            results[name] = (json.load(f), [line for line in log.splitlines() if _KVHIT_LINE.search(line)])
-    return results
+        started[name] = (out, child_runs.start("tests.adapter.scheduler_run", [out, work / "models", *extra],
+                                               child_runs.env(kvhit_mode)))
+    return {name: (result, [line for line in log.splitlines() if _KVHIT_LINE.search(line)])
+            for name, (result, log) in child_runs.collect(started).items()}
 
 
 def _requests(result, scenario):

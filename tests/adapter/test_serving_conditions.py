@@ -21,18 +21,14 @@ write side are evicted first); off and shadow are byte-identical to stock.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 import kvhit.refimpl as R
 from kvhit.convert import to_refimpl
 from kvhit.spec.catalogue import CATALOGUE
-from tests.adapter import scheduler_run, serving
+from tests.adapter import child_runs, scheduler_run, serving
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ("stock", "off", "shadow", "enforce")
 RUNS = [f"{case}/{condition}/{budget}" for case in serving.CASES for condition in serving.CONDITIONS
         for budget in serving.BUDGETS]
@@ -60,23 +56,10 @@ def runs(tmp_path_factory):
     scheduler_run.write_models(str(work / "models"))
     results = {}
     for pair in (MODES[:2], MODES[2:]):
-        started = {}
-        for mode in pair:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
-            env.update(VLLM_PLUGINS="kvhit", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-                       TRANSFORMERS_OFFLINE="1")
-            if mode != "stock":
-                env["KVHIT_MODE"] = mode
-            out = work / f"{mode}.json"
-            started[mode] = (out, subprocess.Popen(
-                [sys.executable, "-m", "tests.adapter.serving", str(out), str(work / "models")],
-                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for mode, (out, process) in started.items():
-            log, _ = process.communicate(timeout=900)
-            if process.returncode != 0:
-                pytest.fail(f"serving run {mode!r} exited {process.returncode}:\n{log[-6000:]}")
-            with open(out) as f:
-                results[mode] = json.load(f)
+        started = {mode: (work / f"{mode}.json", child_runs.start(
+            "tests.adapter.serving", [work / f"{mode}.json", work / "models"],
+            child_runs.env(None if mode == "stock" else mode))) for mode in pair}
+        results.update({mode: result for mode, (result, _) in child_runs.collect(started).items()})
     return results
 
 

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
-import subprocess
-import sys
 import types
 
 import pytest
@@ -30,11 +27,10 @@ import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
 import tests.conformance.vllm_harness as vllm_harness
 from kvhit.adapters.vllm import v0_33
-from tests.adapter import scheduler_run
+from tests.adapter import child_runs, scheduler_run
 from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 from tests.conformance.vllm_harness import VllmHarness
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HASH_GRANULAR = "a Mamba group read at hash granularity"
 # scenario -> (what the unmodelled reason names, the catalogue layout it is)
@@ -52,26 +48,16 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("whole_layout_stock")
     scheduler_run.write_models(str(work / "models"))
     started = {}
+    scenarios = [arg for name in SCENARIOS for arg in ("--scenario", name)]
     for mode in MODES:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
-        env.update(VLLM_PLUGINS="kvhit", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        extra = []
+        env, extra = child_runs.env(), []
         if mode != "stock":
-            env.update(KVHIT_MODE=mode, KVHIT_STATUS_FILE=str(work / f"status-{mode}.json"))
+            env = child_runs.env(mode, KVHIT_STATUS_FILE=str(work / f"status-{mode}.json"))
             extra = ["--load-plugins"]
         out = work / f"{mode}.json"
-        scenarios = [arg for name in SCENARIOS for arg in ("--scenario", name)]
-        started[mode] = (out, subprocess.Popen(
-            [sys.executable, "-m", "tests.adapter.scheduler_run", str(out), str(work / "models"), *extra,
-             *scenarios], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results = {}
-    for mode, (out, process) in started.items():
-        log, _ = process.communicate(timeout=900)
-        if process.returncode != 0:
-            pytest.fail(f"scheduler run {mode!r} exited {process.returncode}:\n{log[-6000:]}")
-        with open(out) as f:
-            results[mode] = json.load(f)
-    return results
+        started[mode] = (out, child_runs.start("tests.adapter.scheduler_run",
+                                               [out, work / "models", *extra, *scenarios], env))
+    return {mode: result for mode, (result, _) in child_runs.collect(started).items()}
 
 
 def _hits(result, scenario):

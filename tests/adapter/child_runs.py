@@ -1,0 +1,47 @@
+"""Scheduler runs in child processes, as the real-Scheduler tests start them: each mode (stock, off, shadow,
+enforce) in a fresh process, since vLLM loads kvhit's plugin once per process and stock must never import it.
+
+``env`` is the child's environment, ``start`` starts one (``python -m MODULE ARGS...`` from the checkout),
+``collect`` waits for several and loads what each wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def env(kvhit_mode: str | None = None, **extra: str) -> dict:
+    """This process's environment without kvhit's, vLLM's and Prometheus's settings, with vLLM's plugins
+    limited to kvhit's, the CPU target and the hub offline; ``KVHIT_MODE`` when given, and ``extra``."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
+    out.update(VLLM_PLUGINS="kvhit", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if kvhit_mode is not None:
+        out["KVHIT_MODE"] = kvhit_mode
+    out.update(extra)
+    return out
+
+
+def start(module: str, args: list, environment: dict) -> subprocess.Popen:
+    """``python -m module *args`` in the checkout, its output (stdout and stderr) piped."""
+    return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=environment,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def collect(started: dict, timeout: int = 900) -> dict:
+    """``{name: (what the run wrote to its JSON file, its output)}`` for ``started``, ``{name: (path,
+    process)}``; a run that exits non-zero fails the test with the tail of its output."""
+    results = {}
+    for name, (path, process) in started.items():
+        log, _ = process.communicate(timeout=timeout)
+        if process.returncode != 0:
+            pytest.fail(f"run {name!r} exited {process.returncode}:\n{log[-6000:]}")
+        with open(path) as f:
+            results[name] = (json.load(f), log)
+    return results
