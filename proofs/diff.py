@@ -256,6 +256,15 @@ def main(argv=None) -> int:
         parser.error(f"layout {', '.join(bad)} not in the diffed domain (the catalogue layouts of the default "
                      f"prove domain; proofs/domains.py::HEAVY are --extended only): {', '.join(sorted(every))}")
     configs = domain(args.layout, args.mode)
+    policies = (ALL_POLICIES[args.policy_a], ALL_POLICIES[args.policy_b])
+    # a policy without lookahead block hashes (vllm_0_32) has no lookahead mode to compare in
+    without = [p.name for p in policies if not p.lookahead_hashes]
+    if without:
+        left = [c for c in configs if c.speculation.mode is Mode.LOOKAHEAD]
+        configs = [c for c in configs if c.speculation.mode is not Mode.LOOKAHEAD]
+        if left:
+            print(f"kvhit diff: {len(left)} lookahead configurations left out: {', '.join(without)} has no "
+                  "lookahead block hashes (its engine drops; compare --mode drop)", file=sys.stderr)
     if not configs:
         parser.error("no configuration of the domain matches --layout and --mode")
     start = time.perf_counter()

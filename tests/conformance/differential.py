@@ -455,3 +455,34 @@ def seed_cache(harness: VllmHarness, sizes, tokens, has) -> None:
                     pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(block_hash, g),
                                                            pool.blocks[next_block])
                     next_block += 1
+
+
+@dataclass
+class Seeded:
+    """A harness whose pool holds a recorded cache state for a prompt (:func:`seeded_harness`)."""
+
+    harness: VllmHarness
+    sizes: object
+    tokens: list
+    seeded: list  # the boundaries the pool holds per spec group (:func:`cache_state`)
+    cache: CacheState  # the recorded state
+
+
+def seeded_harness(config, n: int, record_cache: dict) -> Seeded:
+    """vLLM's classes for ``config`` (a :class:`kvhit.proofs.model.Config`) holding ``record_cache`` (a
+    counterexample's or a ``kvhit diff`` row's ``"cache"``: per spec group, runs of cached blocks per unit)
+    for the block hashes of a prompt of ``n`` tokens."""
+    from kvhit.proofs.model import cache_from_runs
+
+    layout, speculation = to_refimpl(config.layout), to_refimpl(config.speculation)
+    sizes = derive_sizes(layout, speculation)
+    runs = {(int(k), item["unit"]): [tuple(span) for span in item["blocks"]]
+            for k, items in record_cache.items() for item in items}
+    cache, _ = cache_from_runs(runs)
+    S = sizes.scheduler_block
+    mode, k, multi = harness_mode(speculation)
+    harness = VllmHarness(to_harness(layout), mode, num_speculative_tokens=k, multi_module_mtp=multi,
+                          max_model_len=(n // S + 2) * S, num_gpu_blocks=2 * n + 64)
+    tokens = list(range(1, n + 1))
+    seed_cache(harness, sizes, tokens, cache.has)
+    return Seeded(harness, sizes, tokens, cache_state(harness, sizes, tokens), cache)

@@ -42,33 +42,18 @@ def _config(row: dict):
 
 def replay(row: dict):
     """vLLM's hit (or ``"IndexError"``) on the row's prompt with exactly the row's cache state."""
-    from kvhit.proofs.model import cache_from_runs
-    from kvhit.refimpl import derive_sizes
     from kvhit.refimpl.policy import num_hashes
 
-    from .differential import cache_state, harness_mode, seed_cache, to_harness, to_refimpl
-    from .vllm_harness import VllmHarness
+    from .differential import seeded_harness
 
-    config = _config(row)
-    layout, speculation = to_refimpl(config.layout), to_refimpl(config.speculation)
-    sizes = derive_sizes(layout, speculation)
     n = row["N"]
-    runs = {(int(k), item["unit"]): [tuple(span) for span in item["blocks"]]
-            for k, items in row["cache"].items() for item in items}
-    cache, _ = cache_from_runs(runs)
-    S = sizes.scheduler_block
-    mode, k, multi = harness_mode(speculation)
-    harness = VllmHarness(to_harness(layout), mode, num_speculative_tokens=k, multi_module_mtp=multi,
-                          max_model_len=(n // S + 2) * S, num_gpu_blocks=2 * n + 64)
-    tokens = list(range(1, n + 1))
-    seed_cache(harness, sizes, tokens, cache.has)
-    seeded = cache_state(harness, sizes, tokens)
-    h = sizes.hash_block
-    expected = [{x for x in range(h, num_hashes(sizes, n) * h + 1, h) if cache.has(g, x)}
-                for g in range(len(sizes.groups))]
-    assert seeded == expected, f"the pool holds {seeded}, the row's cache is {expected}"
+    s = seeded_harness(_config(row), n, row["cache"])
+    h = s.sizes.hash_block
+    expected = [{x for x in range(h, num_hashes(s.sizes, n) * h + 1, h) if s.cache.has(g, x)}
+                for g in range(len(s.sizes.groups))]
+    assert s.seeded == expected, f"the pool holds {s.seeded}, the row's cache is {expected}"
     try:
-        return harness.probe(tokens)["hit"]
+        return s.harness.probe(s.tokens)["hit"]
     except IndexError:
         return "IndexError"
 

@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvhit.proofs.domains import SCENARIOS, configs
-from kvhit.proofs.model import cache_from_runs
-from kvhit.refimpl import CacheState, derive_sizes, hit_tokens
+from kvhit.refimpl import CacheState, hit_tokens
 from kvhit.refimpl.policy import num_hashes
 
-from .differential import VLLM_0_33, cache_state, harness_mode, seed_cache, to_harness, to_refimpl
-from .vllm_harness import VllmHarness
+from .differential import VLLM_0_33, seeded_harness, to_refimpl
 
 _ALL = sorted(p for p in (Path(__file__).resolve().parents[1] / "vectors" / "hit_tokens").glob("*.json")
               if json.loads(p.read_text())["policy"] in ("vllm_0_33", "historical"))
@@ -47,21 +45,9 @@ def test_every_vllm_0_33_counterexample_is_replayed():
 @pytest.mark.parametrize("path", VECTORS, ids=[p.stem for p in VECTORS])
 def test_counterexample_replays_on_vllm(path):
     record = json.loads(path.read_text())
-    config = _config(record)
-    layout = to_refimpl(config.layout)
-    speculation = to_refimpl(config.speculation)
-    sizes = derive_sizes(layout, speculation)
     n = record["N"]
-    runs = {(int(k), item["unit"]): [tuple(span) for span in item["blocks"]]
-            for k, items in record["cache"].items() for item in items}
-    vector_cache, _ = cache_from_runs(runs)
-    S = sizes.scheduler_block
-    mode, k, multi = harness_mode(speculation)
-    harness = VllmHarness(to_harness(layout), mode, num_speculative_tokens=k, multi_module_mtp=multi,
-                          max_model_len=(n // S + 2) * S, num_gpu_blocks=2 * n + 64)
-    tokens = list(range(1, n + 1))
-    seed_cache(harness, sizes, tokens, vector_cache.has)
-    seeded = cache_state(harness, sizes, tokens)
+    s = seeded_harness(_config(record), n, record["cache"])
+    harness, sizes, tokens, seeded = s.harness, s.sizes, s.tokens, s.seeded
     model_hit, reach, _, _ = hit_tokens(CacheState.from_sets(seeded), sizes, n, VLLM_0_33)
     crash = reach > num_hashes(sizes, n) * sizes.hash_block
     try:

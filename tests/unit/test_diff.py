@@ -43,11 +43,20 @@ def test_f2_is_the_least_difference_of_vllm_0_33_and_its_repair_on_full16_drop(c
     assert row["hits"] == {"vllm_0_33": 0, "vllm_0_33_repaired": 16} and row["reads_past_hashes"] == []
 
 
+def test_a_policy_without_lookahead_hashes_is_compared_without_the_lookahead_mode(capsys):
+    """vLLM 0.32 has no lookahead block hashes: its lookahead configurations are left out, and said so."""
+    assert kvhit(["diff", "vllm_0_32", "vllm_0_33", "--layout", "full16", "--json", "--jobs", "1"]) == 0
+    out = capsys.readouterr()
+    rows = json.loads(out.out)
+    assert rows and {r["mode"].split()[0] for r in rows} == {"none", "drop"}
+    assert "8 lookahead configurations left out: vllm_0_32 has no lookahead block hashes" in out.err
+
+
 def test_an_unknown_policy_is_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
-        kvhit(["diff", "vllm_0_33", "vllm_0_32"])
+        kvhit(["diff", "vllm_0_33", "vllm_0_31"])
     err = capsys.readouterr().err
-    assert "unknown policy vllm_0_32" in err and "vllm_0_33_repaired" in err and "reference" in err
+    assert "unknown policy vllm_0_31" in err and "vllm_0_33_repaired" in err and "reference" in err
 
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or shutil.which("patch") is None,
