@@ -192,6 +192,14 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
         history.append((label, len(prompt), out["hit"]))
         return out | {"model_hit": hit, "model_longest": longest}
 
+    def agree(out, what):
+        """vLLM's hit is the model's, and its shared_prefix_boundary the longest candidate when that is past
+        the hit, else 0."""
+        spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
+        if (out["hit"], out["spb"]) != (out["model_hit"], spb):
+            fail(what, f"hit {out['hit']}, shared_prefix_boundary {out['spb']}",
+                 f"hit {out['model_hit']}, longest {out['model_longest']}")
+
     def diverge(cut, extra, tail):
         """A prompt sharing the first ``cut`` tokens, served; then one sharing its junction, looked up."""
         cut = max(1, min(cut, n))
@@ -200,10 +208,7 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
                                                                                for g in groups)), serve=True)
         if out is None:
             return
-        spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
-        if (out["hit"], out["spb"]) != (out["model_hit"], spb):
-            fail(f"a prompt of {len(prompt)} tokens sharing {cut} differs", f"hit {out['hit']}, "
-                 f"shared_prefix_boundary {out['spb']}", f"hit {out['model_hit']}, longest {out['model_longest']}")
+        agree(out, f"a prompt of {len(prompt)} tokens sharing {cut} differs")
         stats.diverging += 1
         junction = junction_of(sizes, out["model_hit"], out["model_longest"], rules)
         if junction <= 0:
@@ -215,10 +220,7 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
         out = lookup(f"at junction [:{junction}] + {tail}", at, written_cache(layered), serve=False)
         if out is None:
             return
-        spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
-        if (out["hit"], out["spb"]) != (out["model_hit"], spb):
-            fail(f"a prompt sharing the junction {junction} differs", f"hit {out['hit']}, shared_prefix_boundary "
-                 f"{out['spb']}", f"hit {out['model_hit']}, longest {out['model_longest']}")
+        agree(out, f"a prompt sharing the junction {junction} differs")
         stats.at_junction += 1
         stats.at_junction_positive += out["hit"] > 0
 
@@ -265,11 +267,7 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
             out = lookup(f"sibling +{extra}", prompt, cache, serve=False)
             if out is None:
                 return history
-            # vLLM's shared_prefix_boundary is the longest candidate when it is past the hit, else 0.
-            spb = out["model_longest"] if out["model_longest"] != out["model_hit"] else 0
-            if (out["hit"], out["spb"]) != (out["model_hit"], spb):
-                fail(f"sibling of {n + extra} tokens differs", f"hit {out['hit']}, shared_prefix_boundary "
-                     f"{out['spb']}", f"hit {out['model_hit']}, longest {out['model_longest']}")
+            agree(out, f"sibling of {n + extra} tokens differs")
             stats.siblings += 1
         stats.positive += out["hit"] > 0
     return history
