@@ -85,8 +85,8 @@ def test_on_mamba_read_at_hash_granularity_the_repaired_policy_loses_the_junctio
     Full attention holds whole blocks up to 3200 of the shared prefix (its partial tails lie past 3360), so
     after the 160-token drop the third can hit at most 3040, which dense retention gives (a Mamba state every
     160 tokens). vLLM's bookkeeping, which the patched engine keeps, holds Mamba states only at block ends
-    (1600, 3200) and one partial tail per request past the shared prefix: 1600. The reference keeps the state
-    at its junction inside the block: 3040."""
+    (1600, 3200) and one partial tail per request past the shared prefix, so the largest hit with a state is
+    1600. The reference, with dense retention, keeps a state at every hash unit, inside a block too: 3040."""
     config = Config(CATALOGUE["qwen3next_pmu160"], Speculation(Mode.DROP, 2, multi_module_mtp=True), None)
     values = {"N": 4800, "P": 3360, "N2_diverging": 6400, "N3": 6400}
     for policy, third in (("reference", 3040), ("vllm_0_33_repaired", 1600), ("vllm_0_33", 1600)):

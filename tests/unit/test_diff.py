@@ -6,9 +6,7 @@ full attention, block 16, drop mode, a resend of ``N = 32`` with its 2 blocks ca
 command prints on vLLM 0.33.0's own classes and on the patched copy of docs/upstream.
 """
 
-import importlib.util
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -59,11 +57,6 @@ def test_an_unknown_policy_is_refused_with_the_known_ones(capsys):
     assert "unknown policy vllm_0_31" in err and "vllm_0_33_repaired" in err and "reference" in err
 
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or shutil.which("patch") is None,
-                                reason="needs vLLM 0.33.0 (make test installs it) and patch(1)")
-
-
-@needs_vllm
 def test_a_reported_difference_is_what_both_engines_hit(capsys, tmp_path):
     """The read-side rows ``kvhit diff vllm_0_33 vllm_0_33_repaired`` prints for full16 in drop mode (F2, at
     every DCP size) and chunked64 with lookahead (F1: vLLM 0.33 reads past the hashes), replayed on stock vLLM
