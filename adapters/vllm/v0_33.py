@@ -1421,12 +1421,23 @@ class EvictionTier:
 _tiers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _drop_tier(pool: BlockPool, step: str, e: Exception) -> None:
+    """An eviction-tier step failed: the pool keeps vLLM's own eviction order from now on (logged once).
+    The adapter never raises inside vLLM's allocator."""
+    _tiers.pop(pool, None)
+    log_once(logging.ERROR, "kvhit enforce: eviction order %s failed (%s: %s); this block pool keeps vLLM's "
+             "order; this is kvhit's bug, please report it", step, type(e).__name__, e)
+
+
 def block_pool_get_new_blocks(self: BlockPool, num_blocks: int):
     """``BlockPool.get_new_blocks``; under enforce, the extra blocks of :class:`EvictionTier` are evicted
     before any other cached block."""
     tier = _tiers.get(self)
     if tier is not None and tier.extra and _mode == "enforce":
-        tier.evict_extra_first(self, num_blocks)
+        try:  # computes every move before the free queue's own remove / prepend_n make them
+            tier.evict_extra_first(self, num_blocks)
+        except Exception as e:  # noqa: BLE001 - see _drop_tier
+            _drop_tier(self, "evict_extra_first", e)
     return _ORIGINAL_GET_NEW_BLOCKS(self, num_blocks)
 
 
@@ -1434,7 +1445,10 @@ def block_pool_touch(self: BlockPool, blocks) -> None:
     """``BlockPool.touch``: a block a lookup hits is no longer one of :class:`EvictionTier`'s extra blocks."""
     tier = _tiers.get(self)
     if tier is not None and tier.extra:
-        tier.unmark(blocks)
+        try:
+            tier.unmark(blocks)
+        except Exception as e:  # noqa: BLE001 - see _drop_tier
+            _drop_tier(self, "unmark", e)
     return _ORIGINAL_TOUCH(self, blocks)
 
 
@@ -1445,9 +1459,12 @@ def coordinator_allocate_new_computed_blocks(self: KVCacheCoordinator, request_i
     :meth:`EvictionTier.mark`."""
     tier = _tiers.get(self.block_pool) if _mode == "enforce" else None
     if tier is not None:
-        tracked = self.single_type_managers[0].num_cached_block
-        if request_id not in tracked:
-            tier.record_hit(request_id, num_local_computed_tokens, tracked)
+        try:
+            tracked = self.single_type_managers[0].num_cached_block
+            if request_id not in tracked:
+                tier.record_hit(request_id, num_local_computed_tokens, tracked)
+        except Exception as e:  # noqa: BLE001 - see _drop_tier
+            _drop_tier(self.block_pool, "record_hit", e)
     return _ORIGINAL_ALLOCATE_COMPUTED(self, request_id, new_computed_blocks, num_local_computed_tokens, *args,
                                        **kwargs)
 

@@ -114,3 +114,19 @@ def test_uninstall_restores_the_eviction_seams():
         assert all(vars(owner)[name] is replacement for owner, name, _, replacement in v0_33.EVICTION_SEAMS)
         kvhit_vllm.uninstall()
         assert all(vars(owner)[name] is original for owner, name, original, _ in v0_33.EVICTION_SEAMS)
+
+
+def test_a_failing_tier_step_leaves_vllm_s_order_and_never_raises_inside_vllm(monkeypatch, caplog):
+    """A bug of kvhit's in the tier (here: its eviction step raises) must not reach vLLM's allocator: the
+    pool gets vLLM's own blocks, the tier is dropped for that pool, and the failure is logged."""
+    pool, tier = _pool("enforce")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tier, "evict_extra_first", broken)
+    with caplog.at_level("ERROR"):
+        got = pool.get_new_blocks(5)
+    assert sorted(b.block_id for b in got) == [1, 2, 3, 4, 5]  # vLLM's order, as stock
+    assert pool not in v0_33._tiers
+    assert "eviction order evict_extra_first failed (RuntimeError: boom)" in caplog.text
