@@ -26,7 +26,7 @@ Seams (each restored by :func:`uninstall`):
   get_mamba_prefill_checkpoint_position``, and ``Scheduler._mamba_block_aligned_split`` with the
   scheduler module's ``get_mamba_prefill_checkpoint_position``: state is kept at the reference's replay
   boundaries and the scheduler ends a chunk at each Mamba state the reference keeps.
-* Eviction order (enforce, layouts with sliding-window or Mamba groups; :data:`EVICTION_SEAMS`):
+* Eviction order (enforce, layouts with sliding-window or Mamba groups):
   ``BlockPool.get_new_blocks``, ``BlockPool.touch`` and ``KVCacheCoordinator.allocate_new_computed_blocks``:
   a block the reference write side caches beyond what vLLM's own would is evicted before any other cached
   block; the uncached blocks an allocation takes are vLLM's (:class:`EvictionTier`).
@@ -1491,20 +1491,14 @@ SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
      scheduler_checkpoint_position),
     (_scheduler_module.Scheduler, "_mamba_block_aligned_split", _ORIGINAL_MAMBA_SPLIT,
      mamba_block_aligned_split),
-)
-"""(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces on the lookup
-and write paths."""
-
-EVICTION_SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
+    # The eviction order (enforce only, the block pools of modelled coordinators with sliding-window or
+    # Mamba groups: EvictionTier).
     (BlockPool, "get_new_blocks", _ORIGINAL_GET_NEW_BLOCKS, block_pool_get_new_blocks),
     (BlockPool, "touch", _ORIGINAL_TOUCH, block_pool_touch),
     (KVCacheCoordinator, "allocate_new_computed_blocks", _ORIGINAL_ALLOCATE_COMPUTED,
      coordinator_allocate_new_computed_blocks),
 )
-"""The same for the eviction order (:class:`EvictionTier`), installed and restored with :data:`SEAMS`. They
-act only on the block pools of modelled coordinators with sliding-window or Mamba groups, in enforce."""
-
-_ALL_SEAMS = SEAMS + EVICTION_SEAMS
+"""(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""
 
 
 _MODULES = (_manager_module, _coordinator_module, _single_type_module, _scheduler_module)
@@ -1529,17 +1523,17 @@ def install(mode: str) -> bool:
     assert mode in ("shadow", "enforce"), mode
     if _mode == mode:
         return True
-    for owner, name, original, replacement in _ALL_SEAMS:
+    for owner, name, original, replacement in SEAMS:
         current = vars(owner)[name]
         if current is not original and current is not replacement:
             log_once(logging.ERROR, "kvhit: %s was already replaced by %r; vLLM is left as it is",
                      _seam_name(owner, name), current)
             return False
-    for owner, name, _, replacement in _ALL_SEAMS:
+    for owner, name, _, replacement in SEAMS:
         setattr(owner, name, replacement)
     _mode = mode
     log_once(logging.INFO, "kvhit: mode %s on vLLM %s: replaced %s", mode, VLLM_VERSION,
-             ", ".join(_seam_name(owner, name) for owner, name, _, _ in _ALL_SEAMS))
+             ", ".join(_seam_name(owner, name) for owner, name, _, _ in SEAMS))
     return True
 
 
@@ -1548,7 +1542,7 @@ def uninstall() -> None:
     global _mode
     if _mode == "off":
         return
-    for owner, name, original, _ in _ALL_SEAMS:
+    for owner, name, original, _ in SEAMS:
         setattr(owner, name, original)
     _mode = "off"
     log_once(logging.INFO, "kvhit: uninstalled; vLLM's originals restored")

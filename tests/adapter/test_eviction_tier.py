@@ -108,14 +108,6 @@ def test_shadow_and_off_keep_vllm_s_order(mode):
     assert set(tier.extra) == {7, 8}
 
 
-def test_uninstall_restores_the_eviction_seams():
-    for mode in ("enforce", "shadow"):
-        assert kvhit_vllm.install(mode)
-        assert all(vars(owner)[name] is replacement for owner, name, _, replacement in v0_33.EVICTION_SEAMS)
-        kvhit_vllm.uninstall()
-        assert all(vars(owner)[name] is original for owner, name, original, _ in v0_33.EVICTION_SEAMS)
-
-
 def test_a_failing_tier_step_leaves_vllm_s_order_and_never_raises_inside_vllm(monkeypatch, caplog):
     """A bug of kvhit's in the tier (here: its eviction step raises) must not reach vLLM's allocator: the
     pool gets vLLM's own blocks, the tier is dropped for that pool, and the failure is logged."""

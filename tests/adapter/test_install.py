@@ -43,6 +43,10 @@ def test_seams_are_the_narrow_lookup_points_of_vllm_0_33():
         (single_type.__name__, "get_mamba_prefill_checkpoint_position"),
         (scheduler.__name__, "get_mamba_prefill_checkpoint_position"),
         ("Scheduler", "_mamba_block_aligned_split"),
+        # the eviction order
+        ("BlockPool", "get_new_blocks"),
+        ("BlockPool", "touch"),
+        ("KVCacheCoordinator", "allocate_new_computed_blocks"),
     }
     # vLLM calls these module functions by the names patched here
     assert coordinator.KVCacheCoordinator.cache_blocks.__globals__ is vars(coordinator)

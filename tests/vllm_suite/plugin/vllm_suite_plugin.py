@@ -78,12 +78,11 @@ def _kvhit_objects_in_vllm() -> list[str]:
 
 
 def _kvhit_seams() -> list[str]:
-    """The attributes kvhit's adapter says it replaces (``v0_33.SEAMS`` and ``v0_33.EVICTION_SEAMS``),
-    named as the scan names them."""
+    """The attributes kvhit's adapter says it replaces (``v0_33.SEAMS``), named as the scan names them."""
     from kvhit.adapters.vllm import v0_33
 
     names = []
-    for owner, attribute, _, _ in v0_33.SEAMS + v0_33.EVICTION_SEAMS:
+    for owner, attribute, _, _ in v0_33.SEAMS:
         if isinstance(owner, type):
             names.append(f"{owner.__module__}.{owner.__qualname__}.{attribute}")
         else:
