@@ -38,7 +38,7 @@ from kvhit.spec.terms import and_, eq
 
 from . import findings
 from .domains import HEAVY, SPECULATIONS, read_configs, write_configs
-from .model import Config, Invariant, _rlimit_count, check, isolated_map, runs_needed
+from .model import Config, Invariant, _rlimit_count, accepts, check, isolated_map, runs_needed
 
 READ = "read"
 FIRST_REPEAT = "first repeat"
@@ -258,13 +258,12 @@ def main(argv=None) -> int:
     configs = domain(args.layout, args.mode)
     policies = (ALL_POLICIES[args.policy_a], ALL_POLICIES[args.policy_b])
     # a policy without lookahead block hashes (vllm_0_32) has no lookahead mode to compare in
-    without = [p.name for p in policies if not p.lookahead_hashes]
-    if without:
-        left = [c for c in configs if c.speculation.mode is Mode.LOOKAHEAD]
-        configs = [c for c in configs if c.speculation.mode is not Mode.LOOKAHEAD]
-        if left:
-            print(f"kvhit diff: {len(left)} lookahead configurations left out: {', '.join(without)} has no "
-                  "lookahead block hashes (its engine drops; compare --mode drop)", file=sys.stderr)
+    left = [c for c in configs if not all(accepts(p, c) for p in policies)]
+    if left:
+        configs = [c for c in configs if c not in left]
+        without = [p.name for p in policies if not all(accepts(p, c) for c in left)]
+        print(f"kvhit diff: {len(left)} lookahead configurations left out: {', '.join(without)} has no "
+              "lookahead block hashes (its engine drops; compare --mode drop)", file=sys.stderr)
     if not configs:
         parser.error("no configuration of the domain matches --layout and --mode")
     start = time.perf_counter()

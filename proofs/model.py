@@ -212,6 +212,16 @@ class ReplayContext(_Context):
         return value
 
 
+def accepts(rules: Rules, config: Config) -> bool:
+    """Whether the policy's engine has the configuration's speculative setting (vLLM 0.32 has no lookahead
+    hashes: :func:`kvhit.spec.policy.check_speculation`, which its hit and write side call)."""
+    try:
+        spec_policy.check_speculation(derive_sizes(config.layout, config.speculation, rules.scale_replicated), rules)
+    except ValueError:
+        return False
+    return True
+
+
 def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
     """Cached runs per (group, unit) that make the symbolic cache complete for a check (the small-model
     argument in :mod:`kvhit.spec.lower_z3`): one per place whose validity the check relies on. Each hit

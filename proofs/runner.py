@@ -121,8 +121,17 @@ def run(jobs: int | None = None) -> list[Verdict]:
     results = [result for done in isolated_map(_run_chunk, costly, jobs) for result in done]
     order = {t: i for i, t in enumerate(todo)}
     results.sort(key=lambda r: order[r[0]])
-    verdicts: dict[tuple, Verdict] = {}
     cfgs = _configs()
+    verdicts = verdicts_of(results, cfgs)
+    if not EXTENDED:
+        verdicts.update(compose(results, cfgs))
+    return list(verdicts.values())
+
+
+def verdicts_of(results, cfgs) -> dict[tuple, Verdict]:
+    """``{(invariant row, policy): Verdict}`` of :func:`_run_task`'s results, in their order; ``cfgs``: the
+    configurations their indices name."""
+    verdicts: dict[tuple, Verdict] = {}
     for (inv_name, policy, index, scenario), verdict, seconds, cex, spent in results:
         key = (inv_name if scenario is None else f"{inv_name}@{scenario}", policy)
         v = verdicts.setdefault(key, Verdict(key[0], policy, "PROVED"))
@@ -132,9 +141,7 @@ def run(jobs: int | None = None) -> list[Verdict]:
         label = cfgs[index].label if scenario is None else scenario
         v.configs.append(label)
         _add(v, label, verdict, cex)
-    if not EXTENDED:
-        verdicts.update(compose(results, cfgs))
-    return list(verdicts.values())
+    return verdicts
 
 
 # The worst verdict of a row's configurations is the row's.
