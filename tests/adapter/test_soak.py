@@ -9,15 +9,11 @@ One process (kvhit loaded through vLLM's plugin loader, as ``EngineCore`` does),
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.adapter import soak
+from tests.adapter import child_runs, soak
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CI_LOOKUPS = 5000
 
 
@@ -25,20 +21,18 @@ CI_LOOKUPS = 5000
 def result(tmp_path_factory):
     """The soak's JSON result (``soak.soak``'s, with ``self_check`` and kvhit's counters)."""
     work = tmp_path_factory.mktemp("soak")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHIT_", "VLLM_", "PROMETHEUS_"))}
-    env.update(KVHIT_MODE="enforce", VLLM_PLUGINS="kvhit")
     out, checks = work / "soak.json", work / "self_check.json"
-    process = subprocess.run(
-        [sys.executable, "-m", "tests.adapter.soak", "--lookups", str(CI_LOOKUPS),
-         "--seed", str(soak.DEFAULT_SEED), "--json", str(out), "--self-check", str(checks)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    process = child_runs.start("tests.adapter.soak", ["--lookups", CI_LOOKUPS, "--seed", soak.DEFAULT_SEED,
+                                                      "--json", out, "--self-check", checks],
+                               child_runs.env("enforce"))
+    log, _ = process.communicate(timeout=900)
     if not out.exists():
-        pytest.fail(f"the soak exited {process.returncode} without a result:\n{process.stdout[-6000:]}")
+        pytest.fail(f"the soak exited {process.returncode} without a result:\n{log[-6000:]}")
     with open(out) as f:
         data = json.load(f)
     with open(checks) as f:
         data["self_check"] = json.load(f)
-    data["returncode"], data["log_tail"] = process.returncode, process.stdout[-3000:]
+    data["returncode"], data["log_tail"] = process.returncode, log[-3000:]
     return data
 
 
