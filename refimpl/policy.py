@@ -1,7 +1,7 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: d09331bdf1b7ff193214f3b08827d9170f9f85b693be438b7d06af3958e0d8dc
+spec-sha256: d40ab1b002b547eb6eceba79febe3958f1279c90aab0e996eb53f6991af829dd
 output-sha256: ab7749d679968ecdaec5cb704db48331fa684e24003b0e92b43b5ea2a71150ce
 """
 

@@ -468,8 +468,8 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     if resume and unit < b and rules.mamba_inside_blocks:
         # Read at hash granularity: a state at every retained point, inside a block too (every unit when
         # dense), which vLLM's one partial tail per request cannot keep. On vLLM's bookkeeping (below) a
-        # prompt sharing a prefix that ends inside a block resumes at the block end below it
-        # (a_shared_prefix_is_kept_at_the_junction fails for vllm_0_33_repaired on such layouts).
+        # prompt sharing a prefix that ends inside a block finds no Mamba state inside the block and falls
+        # back to a block end (a_shared_prefix_is_kept_at_the_junction fails for vllm_0_33_repaired there).
         points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_STATE) for x in aligned)
         every = interval is None or (interval == 0 and not rules.sparse_zero)
         return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points,
