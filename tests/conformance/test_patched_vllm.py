@@ -19,7 +19,7 @@ import pytest
 from kvhit.refimpl import (CacheState, Group, Layout, Speculation, derive_sizes, hit_tokens, repeat_hits,
                            request_writes, written_cache)
 
-from .patched import (READ_SIDE_PATCHES, SERIES, UPSTREAM, WRITE_SIDE_PATCH, PatchFailed,
+from .patched import (FORMER_DIVERGENCES, READ_SIDE_PATCHES, SERIES, UPSTREAM, WRITE_SIDE_PATCH, PatchFailed,
                       patch_core, run_patched)
 from .test_findings_reproduce import (DSV4_REPORT, F1_LAYOUTS, F2_LAYOUTS, F5_LAYOUTS, GEMMA, QWEN3NEXT, REFERENCE,
                                       REPAIRED, VLLM, _boundaries, _predict, _retention, _served)
@@ -189,6 +189,8 @@ def test_patched_vllm_matches_vllm_0_33_repaired_on_every_write_side_scenario(pa
     assert summary["policy"] == "vllm_0_33_repaired" and summary["patched_modules"] > 0
     assert summary["mismatches"] == 0, "\n\n".join(summary["first_mismatches"])
     assert summary["scenarios"] >= 2000 and summary["positive"] > 0
+    assert summary["former_divergences"] == {name: "compared" for name in FORMER_DIVERGENCES}, \
+        summary["former_divergences"]
 
 
 def test_vllm_with_the_read_side_patches_only_does_not_match_the_repaired_write_side(read_side_only):
