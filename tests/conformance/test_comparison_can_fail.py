@@ -88,3 +88,23 @@ def test_write_side_comparison_catches_a_mask_that_keeps_every_boundary():
     run_write_scenario(scenario, WriteStats())
     with pytest.raises(Mismatch, match=r"retained boundaries of KV-cache group 1 \(spec group 1, swa 32\)"):
         run_write_scenario(scenario, WriteStats(), policy_rules("retain_every_boundary"))
+
+
+def test_write_side_comparison_on_a_held_prefix_catches_a_state_inside_the_lookahead(monkeypatch):
+    """Full16 (DCP 2) + Mamba 32 + Mamba 128, MTP 2 drop, R = 384, a request of 193 tokens admitted at 176 on
+    a held prefix: vLLM keeps no Mamba state at 192 (within Lp of the prompt end), and a write side that keeps
+    every state the request computes (the dense mask, whatever R says) is caught holding one there."""
+    from kvhit.refimpl import Group
+
+    from . import write_side
+
+    layout = Layout((Group("full", 16), Group("mamba", 32), Group("mamba", 128)), dcp=2, prefix_match_unit=16,
+                    name="full16_mamba32_mamba128")
+    scenario = WriteScenario(layout, Speculation("drop", 2, True), 384, 193, (), held_before=(192, 176, 176))
+    assert run_write_scenario(scenario, WriteStats()) == [("first", 193, 176)]
+    real = write_side.request_writes
+    monkeypatch.setattr(write_side, "request_writes",
+                        lambda sizes, n, interval, *args, **kw: real(sizes, n, None, *args, **kw))
+    with pytest.raises(Mismatch, match=r"KV-cache group 1 \(spec group 1, mamba 32\)(.|\n)*"
+                                       r"vLLM 0.33.0: 16..176\n  model \[vllm_0_33\]: 16..192"):
+        run_write_scenario(scenario, WriteStats())

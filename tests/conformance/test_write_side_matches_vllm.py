@@ -17,7 +17,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvhit.refimpl import Group, Layout, Speculation
+from kvhit.refimpl import Group, Layout, Speculation, derive_sizes
+from kvhit.refimpl.policy import Kind
 from kvhit.spec.catalogue import CATALOGUE
 
 from .differential import to_refimpl
@@ -91,8 +92,41 @@ PINNED += [WriteScenario(layout, Speculation("drop", 1), 0, n, (("diverge", cut,
            for layout in (to_refimpl(CATALOGUE["gemma"]), _SWA_EAGLE)
            for n, cut in ((2000, 1500), (2000, 1000), (700, 450), (300, 200))]
 
+# A request admitted with a hit inside its prompt's last block under multi-module MTP (Lp = 2), on a cache
+# holding a prefix of its prompt (held_before; no stream of served prompts reaches such a hit on these layouts).
+# A reviewer's case: full16 (DCP 2) + Mamba 32 + Mamba 128, prefix_match_unit 16, drop, R = 384, N = 193, hit
+# 176. The only chunk runs 176 -> 193 through Mamba 32's block end at 192; vLLM and the model keep a state
+# there only where the mask does (dense), and where a chunk must stop at 192 (config block 32: the block end
+# after a start inside it), within Lp of the prompt end, both stall (S1). A single Mamba group and full
+# attention with one Mamba group too, and neighbouring prompts.
+_MTP2 = Speculation("drop", 2, multi_module_mtp=True)
+
+
+def _full_mamba(full: int, mambas: tuple, dcp: int = 2, prefix_match_unit: int | None = 16) -> Layout:
+    groups = (Group("full", full),) + tuple(Group("mamba", b) for b in mambas)
+    return Layout(groups, dcp=dcp, prefix_match_unit=prefix_match_unit,
+                  name=f"full{full}_" + "_".join(f"mamba{b}" for b in mambas))
+
+
+_LAST_BLOCK = [(_full_mamba(16, (32, 128)), (193, 194, 200, 209)), (_full_mamba(32, (32, 128)), (193, 194)),
+               (_full_mamba(16, (32,)), (193, 200)), (_full_mamba(16, (128,)), (193, 200)),
+               (Layout((Group("mamba", 32),), name="mamba32"), (193, 200))]
+for _layout, _prompts in _LAST_BLOCK:
+    _h = derive_sizes(_layout, _MTP2).hash_block
+    # full attention held up to the prompt's last hash boundary below N, Mamba one unit less (so what the request
+    # writes past its hit is its own), or everything one unit lower
+    PINNED += [WriteScenario(_layout, _MTP2, retention, n, (("sibling", 1), ("sibling", 16)), seed=n,
+                             held_before=tuple((n - 1) // _h * _h - back - (_h if g.kind is Kind.MAMBA else 0)
+                                               for g in _layout.groups))
+               for retention in (384, None, 0) for n in _prompts for back in (0, _h)]
+
+
+def _pinned_id(s: WriteScenario) -> str:
+    held = f"-held{'_'.join(map(str, s.held_before))}" if s.held_before else ""
+    return f"{s.layout.name}-{s.speculation.describe()}-R{s.retention}-N{s.n}{held}"
+
 
 @pytest.mark.parametrize("scenario", PINNED,
-                         ids=[f"{s.layout.name}-{s.speculation.describe()}-R{s.retention}-N{s.n}" for s in PINNED])
+                         ids=[_pinned_id(s) for s in PINNED])
 def test_pinned_write_scenarios(scenario):
     _timed(scenario)

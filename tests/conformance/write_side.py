@@ -25,6 +25,12 @@ Compared, explicitly:
   docs/notes/vllm-0.32-policy.md: 0.33 keeps a dropping group's state at ``J`` and ``J - b``, 0.32 at ``J``);
 * **crashes**: vLLM raises ``IndexError`` in a lookup exactly where the model reads past the hashes (F1).
 
+A scenario may admit its first request on a cache that already holds a prefix of the prompt
+(``held_before``): a hit inside the prompt's last block, which no stream of served prompts reaches on some
+layouts, as other prompts' partial tails could leave it. Then the first request's hit and
+``shared_prefix_boundary`` are compared too, and the retained boundaries are the held ones together with
+what the model says the request writes from its hit (``request_writes(sizes, N, R, rules, hit, J)``).
+
 A mismatch raises :class:`~.differential.Mismatch` with the layout, the stream and both outputs.
 """
 
@@ -46,8 +52,8 @@ from kvhit.refimpl import (
 from kvhit.refimpl.policy import NO_JUNCTION, CacheState, check_retention, clip, junction_of, num_hashes, repeat
 
 # stall_predicted: the write side assumes every request completes, so a scenario ends at a predicted stall
-from .differential import (POLICY, Coverage, Mismatch, check_sizes, describe_layout, harness_mode, runs,
-                           stall_predicted, to_harness)
+from .differential import (POLICY, Coverage, Mismatch, cache_state, check_sizes, describe_layout, harness_mode,
+                           runs, stall_predicted, to_harness)
 from .vllm_harness import VLLM_VERSION, SchedulingStalled, VllmHarness
 
 NO_BUDGET = 10**6
@@ -59,7 +65,12 @@ class WriteScenario:
     """A first request of ``n`` tokens on an empty cache, then ``ops``: ``("resend",)`` serves the same
     prompt again; ``("sibling", extra)`` looks up the prompt extended by ``extra`` fresh tokens;
     ``("diverge", cut, extra, tail)`` (last) serves the first ``cut`` tokens plus ``extra`` fresh ones, then
-    looks up the first ``J`` tokens of that prompt plus ``tail`` fresh ones, ``J`` the junction it recorded."""
+    looks up the first ``J`` tokens of that prompt plus ``tail`` fresh ones, ``J`` the junction it recorded.
+
+    ``held_before``: per spec group, the cache holds every hash boundary of the prompt up to this many tokens
+    before the first request (:func:`hold_prefix`); ``()`` for an empty cache. Only ``("sibling", extra)``
+    ops may follow it (a resend's and a diverging prompt's model starts from the first request's writes on an
+    empty cache: ``repeat``, ``clip``)."""
 
     layout: Layout
     speculation: Speculation
@@ -67,6 +78,11 @@ class WriteScenario:
     n: int
     ops: tuple
     seed: int = 0
+    held_before: tuple = ()
+
+    def __post_init__(self):
+        if self.held_before and any(op[0] != "sibling" for op in self.ops):
+            raise ValueError(f"a scenario starting on a held prefix takes only sibling ops, not {self.ops}")
 
     def describe(self) -> str:
         def step(op):
@@ -76,7 +92,10 @@ class WriteScenario:
                 return f"probe(sibling +{op[1]})"
             return f"serve(diverge [:{op[1]}] + {op[2]}); probe(that [:J] + {op[3]})"
 
-        stream = "; ".join(["serve(new %d)" % self.n] + [step(op) for op in self.ops])
+        first = "serve(new %d)" % self.n
+        if self.held_before:
+            first = "serve(%d on a cache holding [:%s])" % (self.n, ", :".join(map(str, self.held_before)))
+        stream = "; ".join([first] + [step(op) for op in self.ops])
         return (f"{describe_layout(self.layout)} {self.speculation.describe()} "
                 f"(k={self.speculation.num_speculative_tokens}) retention={self.retention}\n"
                 f"  stream: {stream}")
@@ -124,14 +143,37 @@ def build_write_harness(scenario: WriteScenario, sizes) -> VllmHarness:
     max_model_len = (longest // S + 2) * S
     # Room for every request of the stream without evicting a block (the model assumes no eviction).
     per_request = sum(-(-max_model_len // b) for b in sizes.effective_blocks)
+    # and for the held prefix's entries, one block each (hold_prefix)
+    held = sum(len(sg.members) * (top // sizes.hash_block) for sg, top in zip(sizes.groups, scenario.held_before))
     mode, k, multi = harness_mode(scenario.speculation)
     try:
         return VllmHarness(to_harness(scenario.layout), mode, num_speculative_tokens=k, multi_module_mtp=multi,
-                           retention_interval=scenario.retention, num_gpu_blocks=2 * per_request + 64,
+                           retention_interval=scenario.retention, num_gpu_blocks=2 * per_request + 64 + held,
                            max_model_len=max_model_len, max_num_batched_tokens=NO_BUDGET)
     except ValueError as e:
         raise Mismatch(f"vLLM rejects a configuration whose write side the spec models: {e}\n"
                        f"{scenario.describe()}") from e
+
+
+def hold_prefix(harness: VllmHarness, sizes, tokens, held_before) -> None:
+    """Cache, for ``tokens``' block hashes, every boundary ``x <= held_before[k]`` of spec group ``k`` in each
+    member KV-cache group, as requests that computed it and ended would leave it: each entry on its own block
+    taken from the free queue, keyed at ``x`` by ``BlockPool.cache_partial_block`` and freed again, so a
+    served request can touch it (:func:`.differential.seed_cache`'s entries carry no block hash: they serve
+    lookups only)."""
+    pool = harness.manager.block_pool
+    request = harness._new_request(tokens)
+    managers = harness.manager.coordinator.single_type_managers
+    h = sizes.hash_block
+    blocks = []
+    for k, sg in enumerate(sizes.groups):
+        for x in range(h, min(held_before[k], len(request.block_hashes) * h) + 1, h):
+            for m in sg.members:
+                block = pool.get_new_blocks(1)[0]
+                pool.cache_partial_block(request=request, block=block, num_tokens=x, kv_cache_group_id=m,
+                                         block_size=managers[m].block_size)
+                blocks.append(block)
+    pool.free_blocks(blocks)
 
 
 def model_retained(sizes, cache: CacheState, k: int, n: int) -> list[int]:
@@ -224,12 +266,23 @@ def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS,
         stats.at_junction += 1
         stats.at_junction_positive += out["hit"] > 0
 
-    # The first request on an empty cache.
-    empty = CacheState(lambda k, x: False)
-    if lookup("first", tokens, empty, serve=True) is None:
+    # The first request, on an empty cache or one holding a prefix of the prompt.
+    before = CacheState(lambda k, x: False)
+    if scenario.held_before:
+        hold_prefix(harness, sizes, tokens, scenario.held_before)
+        before = CacheState.from_sets(cache_state(harness, sizes, tokens))
+    first = lookup("first", tokens, before, serve=True)
+    if first is None:
         return history
-    groups = request_writes(sizes, n, R, rules)
-    cache = written_cache(groups)
+    if scenario.held_before:
+        agree(first, "the first request's hit on the held prefix differs")
+        start = first["model_hit"]
+        groups = request_writes(sizes, n, R, rules, start, junction_of(sizes, start, first["model_longest"], rules))
+        written = written_cache(groups)
+        cache = CacheState(lambda k, x: before.has(k, x) or written.has(k, x))
+    else:
+        groups = request_writes(sizes, n, R, rules)
+        cache = written_cache(groups)
     got = harness.retained(tokens)
     for k, sg in enumerate(sizes.groups):
         want = model_retained(sizes, cache, k, n)
