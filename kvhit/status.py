@@ -28,11 +28,11 @@ from kvhit import refimpl
 from kvhit.layouts import describe_group
 
 SCHEMA_ID = "kvhit.status/1"
-STATUS_FILE_ENV = "KVHIT_STATUS_FILE"  # the plugin's name for it (kvhit.adapters.vllm.v0_33.STATUS_FILE_ENV)
+STATUS_FILE_ENV = "KVHIT_STATUS_FILE"  # the plugin's name for it (kvhit.adapters.vllm.engine.STATUS_FILE_ENV)
 STATUS_KEYS = ("pid", "vllm", "mode", "modelled")
 DIRECTIONS = ("reference_longer", "reference_shorter")
 
-# The plugin's counters (kvhit.adapters.vllm.v0_33) and vLLM's, as /metrics names their samples.
+# The plugin's counters (kvhit.adapters.vllm.engine) and vLLM's, as /metrics names their samples.
 LOOKUPS = "vllm:kvhit_lookups_total"
 DIVERGENCES = "vllm:kvhit_hit_divergences_total"
 DIVERGENCE_TOKENS = "vllm:kvhit_hit_divergence_tokens_total"

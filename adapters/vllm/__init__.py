@@ -18,23 +18,27 @@ The same is reachable from Python::
     with kvhit_vllm.enabled("shadow"):     # installs, then restores the previous mode
         ...
 
-Only vLLM 0.33.0 is supported: any other version is refused with one log line and left untouched. This
-module imports no vLLM internals; the patches live in ``v0_33`` and are imported only after the version
-check.
+The supported vLLM versions are the keys of :data:`RELEASES`: any other version is
+refused with one log line and left untouched. This module imports no vLLM internals: the seams of each
+version live in its own module (``v0_33``), which with the version-independent ``engine`` is imported only
+after the version check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 
 MODES = ("off", "shadow", "enforce")
 """Values of ``KVHIT_MODE`` and of :func:`install`'s ``mode``."""
 
-SUPPORTED_VLLM_VERSION = "0.33.0"
-"""The vLLM version whose internals the patches were written and tested against."""
+RELEASES = {"0.33.0": "v0_33"}
+"""vLLM version -> the module of this package that holds its seams: the versions whose internals the
+adapter was written and tested against."""
 
 ENV_VAR = "KVHIT_MODE"
 
@@ -63,17 +67,15 @@ def installed_vllm_version() -> str | None:
     return getattr(vllm, "__version__", None)
 
 
-def _patches():
-    """The version-specific patch module if it was imported (it is only after the version check)."""
-    import sys
-
-    return sys.modules.get(f"{__name__}.v0_33")
+def _engine():
+    """The engine if a version module imported it (that is only after the version check)."""
+    return sys.modules.get(f"{__name__}.engine")
 
 
 def current_mode() -> str:
     """The installed mode: ``off``, ``shadow`` or ``enforce``."""
-    patches = _patches()
-    return patches.current_mode() if patches is not None else "off"
+    engine = _engine()
+    return engine.current_mode() if engine is not None else "off"
 
 
 def install(mode: str) -> bool:
@@ -86,8 +88,8 @@ def install(mode: str) -> bool:
         mode: one of :data:`MODES`.
 
     Returns:
-        True if the mode is now active; False if vLLM was left untouched (``off``; a vLLM version other
-        than :data:`SUPPORTED_VLLM_VERSION`, or a seam another plugin already replaced, each logged once).
+        True if the mode is now active; False if vLLM was left untouched (``off``; a vLLM version that is
+        not in :data:`RELEASES`, or a seam another plugin already replaced, each logged once).
 
     Raises:
         ValueError: ``mode`` is not one of :data:`MODES`.
@@ -98,22 +100,23 @@ def install(mode: str) -> bool:
         uninstall()
         return False
     version = installed_vllm_version()
-    if version != SUPPORTED_VLLM_VERSION:
+    if version not in RELEASES:
         log_once(logging.ERROR,
-                 "kvhit: vLLM %s is not the version kvhit's adapter was built and tested against (%s); "
+                 "kvhit: vLLM %s is not a version kvhit's adapter was built and tested against (%s); "
                  "vLLM is left untouched (KVHIT_MODE=%s ignored)",
-                 version if version is not None else "(not importable)", SUPPORTED_VLLM_VERSION, mode)
+                 version if version is not None else "(not importable)", ", ".join(RELEASES), mode)
         return False
-    from . import v0_33
+    seams = importlib.import_module(f"{__name__}.{RELEASES[version]}").SEAMS
+    from . import engine  # imported by the version module
 
-    return v0_33.install(mode)
+    return engine.install(mode, seams)
 
 
 def uninstall() -> None:
     """Restore every vLLM attribute kvhit replaced. A no-op when nothing is installed."""
-    patches = _patches()
-    if patches is not None:
-        patches.uninstall()
+    engine = _engine()
+    if engine is not None:
+        engine.uninstall()
 
 
 @contextlib.contextmanager

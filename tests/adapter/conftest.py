@@ -24,9 +24,9 @@ def kvhit_log(caplog):
     propagates to the root logger pytest captures, and the capture handler is attached to it directly.
     """
     kvhit_vllm._logged_once.clear()
-    from kvhit.adapters.vllm import v0_33
+    from kvhit.adapters.vllm import engine
 
-    for bounded in (v0_33._divergence_log, v0_33._fallback_log):
+    for bounded in (engine._divergence_log, engine._fallback_log):
         bounded.next_time, bounded.suppressed = 0.0, 0
     attach = not logging.getLogger("vllm").propagate
     if attach:

@@ -13,7 +13,7 @@ import pytest
 
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine, v0_33
 from tests.adapter.layouts import (
     expected_reference_hit,
     expected_reference_lookup,
@@ -88,7 +88,7 @@ def _check_probe(harness, layout, spec, tokens, what):
 
 
 def _fallbacks(layout_label):
-    return v0_33.ENFORCE_FALLBACKS.labels(layout_label)._value.get()
+    return engine.ENFORCE_FALLBACKS.labels(layout_label)._value.get()
 
 
 @pytest.mark.parametrize("name, dcp, n, mode, k, retention", list(_cases()))
@@ -97,7 +97,7 @@ def test_enforce_hit_is_the_reference_hit_on_request_streams(name, dcp, n, mode,
     with blocks that carry the request's hashes (vLLM's own blocks whenever the hits agree)."""
     assert kvhit_vllm.install("enforce")
     harness = _harness(name, dcp, n, mode, k, retention)
-    model = v0_33._models[harness.manager.coordinator]
+    model = engine._models[harness.manager.coordinator]
     assert model is not None, "catalogue layouts are modelled"
     layout, spec = refimpl_layout(name, dcp), speculation(mode, k, k > 1)
     rng = random.Random(f"{name}/{dcp}/{mode}/{k}/{retention}")
@@ -273,7 +273,7 @@ def test_layout_outside_the_spec_is_left_stock_and_reported_once(kvhit_log):
     manager = KVCacheManager(kv_cache_config=config, max_model_len=2048, scheduler_block_size=16,
                              hash_block_size=16, enable_caching=True, use_eagle=True,
                              num_prefill_lookahead=1)
-    assert v0_33._models[manager.coordinator] is None
+    assert engine._models[manager.coordinator] is None
     warnings = [r.getMessage() for r in kvhit_log.records if "not modelled" in r.getMessage()]
     assert len(warnings) == 1 and "HiddenStateCacheSpec" in warnings[0]
 

@@ -17,7 +17,7 @@ import pytest
 
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine
 from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 from tests.conformance.vllm_harness import VllmHarness
 
@@ -93,7 +93,7 @@ def test_enforce_write_side_leaves_the_reference_cache_and_repeats_are_stable(na
     sizes = R.derive_sizes(layout, spec)
     for n in lengths:
         harness = _harness(name, dcp, n, mode, k, retention)
-        model = v0_33._models[harness.manager.coordinator]
+        model = engine._models[harness.manager.coordinator]
         assert model is not None and model.write is not None, model and model.write_note
         tokens = _tokens(n)
         served = harness.serve(tokens, decode_steps=0)
@@ -108,7 +108,7 @@ def test_enforce_write_side_leaves_the_reference_cache_and_repeats_are_stable(na
             assert probe["spb"] == 0, (context, probe)  # the reference records no junction
             harness.serve(tokens, decode_steps=0)
         assert tuple(hits) == expected, (context, hits, expected)
-        assert v0_33.ENFORCE_FALLBACKS.labels(model.label)._value.get() == 0
+        assert engine.ENFORCE_FALLBACKS.labels(model.label)._value.get() == 0
 
 
 MTP2_DROP = ("drop", 2)
@@ -194,7 +194,7 @@ def test_mamba_read_at_hash_granularity_is_left_wholly_to_vllm(kvhit_log):
     stock = _stock_run("qwen3next_pmu160", 11910, "drop", 1, 0)
     assert kvhit_vllm.install("enforce")
     harness = _harness("qwen3next_pmu160", 1, 11910, "drop", 1, 0)
-    assert v0_33._models[harness.manager.coordinator] is None
+    assert engine._models[harness.manager.coordinator] is None
     assert [r.getMessage() for r in kvhit_log.records if "not model its write side" in r.getMessage()]
     assert _stock_run("qwen3next_pmu160", 11910, "drop", 1, 0) == stock
 
@@ -209,11 +209,11 @@ def test_write_side_failure_is_answered_by_vllm_and_counted(monkeypatch):
     def broken(self, n_tokens):
         raise RuntimeError("broken on purpose")
 
-    monkeypatch.setattr(v0_33.WriteModel, "resume_points", broken)
+    monkeypatch.setattr(engine.WriteModel, "resume_points", broken)
     assert kvhit_vllm.install("enforce")
     harness = _harness("qwen3next", 1, 8000, "drop", 2, 0)
-    model = v0_33._models[harness.manager.coordinator]
-    before = v0_33.ENFORCE_FALLBACKS.labels(model.label)._value.get()
+    model = engine._models[harness.manager.coordinator]
+    before = engine.ENFORCE_FALLBACKS.labels(model.label)._value.get()
     assert harness.serve(tokens, decode_steps=0)["chunks"] == stock_chunks
     assert harness.retained(tokens) == stock.retained(tokens)
-    assert v0_33.ENFORCE_FALLBACKS.labels(model.label)._value.get() > before
+    assert engine.ENFORCE_FALLBACKS.labels(model.label)._value.get() > before

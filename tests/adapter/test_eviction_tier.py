@@ -1,4 +1,4 @@
-"""The eviction order kvhit's adapter sets under enforce (``v0_33.EvictionTier``), on vLLM 0.33's own
+"""The eviction order kvhit's adapter sets under enforce (``engine.EvictionTier``), on vLLM 0.33's own
 ``BlockPool``: a block the reference write side caches beyond what vLLM's would is evicted before any other
 cached block, the uncached blocks vLLM takes are the same, a block a lookup hits is no longer extra, and in
 shadow and off vLLM's order is untouched. Through the real scheduler: ``test_eviction_under_enforce.py``
@@ -12,7 +12,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
 import kvhit.adapters.vllm as kvhit_vllm
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine, v0_33
 
 
 @pytest.fixture(autouse=True)
@@ -38,10 +38,10 @@ def _pool(mode: str):
     pool.free_blocks(blocks[:3])
     for b in blocks[3:]:
         pool.free_blocks([b])
-    tier = v0_33.EvictionTier(sparse=(0,))
+    tier = engine.EvictionTier(sparse=(0,), release=v0_33.RELEASE)
     for b in (blocks[6], blocks[7]):
         tier.extra[b.block_id] = b.block_hash
-    v0_33._tiers[pool] = tier
+    engine._tiers[pool] = tier
     return pool, tier
 
 
@@ -120,5 +120,5 @@ def test_a_failing_tier_step_leaves_vllm_s_order_and_never_raises_inside_vllm(mo
     with caplog.at_level("ERROR"):
         got = pool.get_new_blocks(5)
     assert sorted(b.block_id for b in got) == [1, 2, 3, 4, 5]  # vLLM's order, as stock
-    assert pool not in v0_33._tiers
+    assert pool not in engine._tiers
     assert "eviction order evict_extra_first failed (RuntimeError: boom)" in caplog.text

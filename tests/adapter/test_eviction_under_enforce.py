@@ -108,8 +108,8 @@ def _marked_extra(pool) -> list[tuple[int, int]]:
     extra (none when kvhit is not loaded or keeps no tier for the pool)."""
     from vllm.v1.core.kv_cache_utils import get_group_id
 
-    v0_33 = sys.modules.get("kvhit.adapters.vllm.v0_33")
-    tier = v0_33._tiers.get(pool) if v0_33 is not None else None
+    engine = sys.modules.get("kvhit.adapters.vllm.engine")
+    tier = engine._tiers.get(pool) if engine is not None else None
     if tier is None:
         return []
     marked = [pool.blocks[block_id] for block_id, block_hash in tier.extra.items()
@@ -245,9 +245,9 @@ def main(argv=None) -> None:
     out, models_dir, *order = argv if argv is not None else sys.argv[1:]
     serving.setup_environment()
     if order == [VLLM_ORDER]:
-        from kvhit.adapters.vllm import v0_33
+        from kvhit.adapters.vllm import engine
 
-        v0_33.EvictionTier.evict_extra_first = lambda self, pool, num_blocks: None
+        engine.EvictionTier.evict_extra_first = lambda self, pool, num_blocks: None
     result = _serve(models_dir)
     result["kvhit_mode"] = (sys.modules["kvhit.adapters.vllm"].current_mode()
                             if "kvhit.adapters.vllm" in sys.modules else None)

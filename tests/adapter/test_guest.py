@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 import kvhit.adapters.vllm as kvhit_vllm
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine, v0_33
 from tests.adapter.layouts import harness_layout
 from tests.conformance import vllm_harness
 from tests.conformance.vllm_harness import VllmHarness
@@ -53,14 +53,14 @@ def test_unexpected_argument_types_never_make_the_adapter_raise(monkeypatch, cas
     assert kvhit_vllm.install("shadow")
     harness, shadow = _serve(monkeypatch, layout, arguments)
     assert shadow == stock, case
-    model = v0_33._models[harness.manager.coordinator]
+    model = engine._models[harness.manager.coordinator]
     assert model is not None and model.speculation.describe() == read_as, (case, model)
 
     assert kvhit_vllm.install("enforce")
     fallbacks = {"layout": model.label}  # the same layout label in both modes
     before = REGISTRY.get_sample_value("kvhit_enforce_fallbacks_total", fallbacks) or 0
     harness, _ = _serve(monkeypatch, layout, arguments)
-    model = v0_33._models[harness.manager.coordinator]
+    model = engine._models[harness.manager.coordinator]
     assert model is not None and model.speculation.describe() == read_as, (case, model)
     assert (REGISTRY.get_sample_value("kvhit_enforce_fallbacks_total", fallbacks) or 0) == before, case
 
@@ -70,18 +70,18 @@ def test_a_layout_kvhit_cannot_read_is_left_to_vllm_and_counted(monkeypatch):
     constructor returns, vLLM's lookup answers, one line is logged and the layout is counted."""
     assert kvhit_vllm.install("enforce")
     before = REGISTRY.get_sample_value("kvhit_unmodelled_layouts_total") or 0
-    original = v0_33.model_coordinator
+    original = engine.model_coordinator
 
-    def odd_pool(coordinator):
+    def odd_pool(coordinator, release):
         coordinator.block_pool.num_hash_lookahead_tokens = 1.0  # no integer: what kvhit cannot read
         try:
-            return original(coordinator)
+            return original(coordinator, release)
         finally:
             coordinator.block_pool.num_hash_lookahead_tokens = 1
 
-    monkeypatch.setattr(v0_33, "model_coordinator", odd_pool)
+    monkeypatch.setattr(engine, "model_coordinator", odd_pool)
     harness = VllmHarness(harness_layout("full16"), "lookahead", max_model_len=4096)
-    assert v0_33._models[harness.manager.coordinator] is None
+    assert engine._models[harness.manager.coordinator] is None
     assert REGISTRY.get_sample_value("kvhit_unmodelled_layouts_total") == before + 1
     assert harness.serve(PROMPT)["hit"] == 0 and harness.probe(PROMPT)["hit"] == 3984  # vLLM's, L = 1
 
@@ -91,11 +91,11 @@ def test_a_reading_that_fails_unexpectedly_is_reported_as_kvhits_bug(monkeypatch
     assert kvhit_vllm.install("enforce")
     before = REGISTRY.get_sample_value("kvhit_unmodelled_layouts_total") or 0
 
-    def broken(coordinator):
+    def broken(coordinator, release):
         raise KeyError("a field kvhit expected")
 
-    monkeypatch.setattr(v0_33, "model_coordinator", broken)
+    monkeypatch.setattr(engine, "model_coordinator", broken)
     harness = VllmHarness(harness_layout("full16"), "drop", max_model_len=4096)
-    assert v0_33._models[harness.manager.coordinator] is None
+    assert engine._models[harness.manager.coordinator] is None
     assert REGISTRY.get_sample_value("kvhit_unmodelled_layouts_total") == before + 1
     assert harness.serve(PROMPT)["hit"] == 0 and harness.probe(PROMPT)["hit"] == 3968  # vLLM: floor_16(N - 1) - 16

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 
 import kvhit.adapters.vllm as kvhit_vllm
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine
 from tests.adapter.layouts import harness_layout
 from tests.conformance.vllm_harness import VllmHarness
 
@@ -26,7 +26,7 @@ def _lookups(mode: str, n: int, repeats: int) -> tuple[list[int], tuple[float, .
     hits of the lookups and how much each counter of the mode grew over them."""
     assert kvhit_vllm.install(mode)
     harness = VllmHarness(harness_layout("full16"), "drop", max_model_len=2048)
-    label = v0_33._models[harness.manager.coordinator].label
+    label = engine._models[harness.manager.coordinator].label
     before = _counts(label, mode)
     tokens = list(range(1, n + 1))
     harness.serve(tokens)
@@ -37,12 +37,12 @@ def _lookups(mode: str, n: int, repeats: int) -> tuple[list[int], tuple[float, .
 def test_enforce_counts_the_tokens_it_gains_over_stock(monkeypatch):
     """full16, drop, N = 1024: stock answers 992 (F2), enforce 1008: 16 tokens gained per repeat (the first
     request, on an empty cache, is a lookup that gains nothing)."""
-    monkeypatch.setattr(v0_33, "COUNT_GAINS", True)
+    monkeypatch.setattr(engine, "COUNT_GAINS", True)
     assert _lookups("enforce", 1024, 3) == ([1008] * 3, (4, 3, 48))
 
 
 def test_enforce_counts_only_its_lookups_unless_asked_to_count_gains(monkeypatch):
-    monkeypatch.setattr(v0_33, "COUNT_GAINS", False)
+    monkeypatch.setattr(engine, "COUNT_GAINS", False)
     assert _lookups("enforce", 1024, 3) == ([1008] * 3, (4, 0, 0))
 
 
@@ -52,5 +52,5 @@ def test_shadow_counts_by_mode_what_enforce_would_gain():
 
 def test_lookups_where_the_policies_agree_count_no_divergence(monkeypatch):
     """N = 1000: 62 hashes cover 992 tokens, so with the drop unit held past it both policies hit 976."""
-    monkeypatch.setattr(v0_33, "COUNT_GAINS", True)
+    monkeypatch.setattr(engine, "COUNT_GAINS", True)
     assert _lookups("enforce", 1000, 2) == ([976] * 2, (3, 0, 0))

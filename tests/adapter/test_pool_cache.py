@@ -1,5 +1,5 @@
 """The enforced lookup reads a full-attention group's leading run from vLLM's own walk of it instead of
-asking the pool again (``v0_33.PoolCache``); it must answer every query as the pool itself would.
+asking the pool again (``engine.PoolCache``); it must answer every query as the pool itself would.
 
 Two comparisons: the run arithmetic on a made-up pool, against ``refimpl.CacheState``'s loop over the
 same boundaries; and on vLLM's real block pool after request streams with eviction, a cache told the
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine, v0_33
 from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 from tests.conformance.vllm_harness import VllmHarness
 
@@ -48,8 +48,8 @@ def test_walked_run_answers_run_from_like_the_loop_over_the_pool(data, h, scale,
     n_blocks = n_hashes * h // block
     walked = data.draw(st.integers(0, n_blocks))
     run = truth.run_from(0, 0, block, walked)  # what the finder finds, looking at `walked` blocks
-    walks = [v0_33._Walk([0], block, ([],), run * block, walked)]
-    cache = v0_33.PoolCache(_Pool(cached), h, [[0]], [(0, (0,))]).start(hashes, walks)
+    walks = [engine._Walk([0], block, ([],), run * block, walked)]
+    cache = engine.PoolCache(_Pool(cached), h, [[0]], [(0, (0,))]).start(hashes, walks)
     truth = R.CacheState(truth.has)
     for _ in range(8):
         if data.draw(st.booleans()):
@@ -73,8 +73,8 @@ def _qwen3next_on(full_cached, mamba_cached):
         [j] * len(ids) if j in (full_cached if tuple(ids) == full else mamba_cached) else None))
     walked = ((0, (0,)),)
     model = SimpleNamespace(sizes=sizes, members=(full, mamba), walked=walked,
-                            hit_tokens=v0_33.reference_hit_tokens(layout, spec),
-                            cache=v0_33.PoolCache(pool, sizes.hash_block, (full, mamba), walked))
+                            hit_tokens=engine.reference_hit_tokens(layout, spec),
+                            cache=engine.PoolCache(pool, sizes.hash_block, (full, mamba), walked))
     return SimpleNamespace(block_pool=pool), model
 
 
@@ -100,9 +100,9 @@ def test_restarted_cache_is_the_pool_as_it_is_now(data):
         hashes_n = hashes[: R.num_hashes(sizes, n)]
         walked = min(n - 1 + sizes.groups[0].margin, len(hashes_n) * b) // b
         run = next(i for i in range(walked + 1) if i == walked or i not in full_cached)
-        walks = [v0_33._Walk(list(full), b, ([],), run * b, walked), None]
-        got = v0_33._reference(coordinator, model, hashes_n, walks, n - 1)
-        fresh = v0_33.pool_cache(coordinator, hashes_n, model, walks=walks)
+        walks = [engine._Walk(list(full), b, ([],), run * b, walked), None]
+        got = engine._reference(coordinator, model, hashes_n, walks, n - 1)
+        fresh = engine.pool_cache(coordinator, hashes_n, model, walks=walks)
         want = R.hit_tokens(fresh, sizes, n, R.REFERENCE)[:3]
         assert got == want, (n, sorted(full_cached), sorted(mamba_cached), got, want)
 
@@ -114,12 +114,12 @@ def test_restarted_cache_forgets_the_last_lookup():
     coordinator, model = _qwen3next_on(set(range(12)), mamba_cached)
     b, full = model.sizes.hash_block, model.members[0]
     n = 9 * b + 5
-    walks = [v0_33._Walk(list(full), b, ([],), 9 * b, 9), None]
+    walks = [engine._Walk(list(full), b, ([],), 9 * b, 9), None]
     hashes = list(range(9))
-    assert v0_33._reference(coordinator, model, hashes, walks, n - 1)[0] == 7 * b  # state 6 ends at 7b
+    assert engine._reference(coordinator, model, hashes, walks, n - 1)[0] == 7 * b  # state 6 ends at 7b
     assert model.cache.asked[(1, 7 * b)] is True
     mamba_cached.discard(6)
-    assert v0_33._reference(coordinator, model, hashes, walks, n - 1)[0] == 5 * b  # state 4 ends at 5b
+    assert engine._reference(coordinator, model, hashes, walks, n - 1)[0] == 5 * b  # state 4 ends at 5b
 
 
 # (catalogue layout, DCP, speculative mode, speculative tokens): full-attention groups walked at block
@@ -148,7 +148,7 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
     coordinator = harness.manager.coordinator
     # The layout as the adapter maps it, also where it is left to vLLM (pmu160, three_kind: the spec does not
     # model their write side): the walks and the cache are the read side it will enforce there.
-    model = v0_33.model_coordinator(coordinator)
+    model = engine.model_coordinator(coordinator, v0_33.RELEASE)
     rng = random.Random(f"{name}/{dcp}/{mode}")
     base = [rng.randrange(1, 50000) for _ in range(n)]
     sibling = base[: n // 2 + 5] + [rng.randrange(1, 50000) for _ in range(n - n // 2)]
@@ -166,9 +166,9 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
         for tokens in prompts:
             request = harness._new_request(tokens)
             hashes, cap = request.block_hashes, len(tokens) - 1
-            walks = v0_33._walks(model, hashes, cap)
-            walked = v0_33.pool_cache(coordinator, hashes, model, walks=walks)
-            asked = v0_33.pool_cache(coordinator, hashes, model)
+            walks = engine._walks(model, hashes, cap)
+            walked = engine.pool_cache(coordinator, hashes, model, walks=walks)
+            asked = engine.pool_cache(coordinator, hashes, model)
             assert walked.sources, "every catalogue layout but chunked has full attention"
             for kk, indices in walked.sources.items():
                 block = walks[indices[0]].block
@@ -177,14 +177,14 @@ def test_cache_from_vllms_walk_answers_as_the_pool(name, dcp, mode, k):
                     want = asked.run_from(kk, 0, block, limit)
                     assert got == want and walked.max_query == asked.max_query, (kk, block, limit, got, want)
                     checked += 1
-            fresh = [v0_33.pool_cache(coordinator, hashes, model, walks=walks),
-                     v0_33.pool_cache(coordinator, hashes, model)]
+            fresh = [engine.pool_cache(coordinator, hashes, model, walks=walks),
+                     engine.pool_cache(coordinator, hashes, model)]
             hits = [R.hit_tokens(c, model.sizes, len(tokens), R.REFERENCE) for c in fresh]
             assert hits[0] == hits[1] and fresh[0].max_query == fresh[1].max_query, (len(tokens), hits)
-            enforced = v0_33._reference(coordinator, model, hashes, walks, cap)
+            enforced = engine._reference(coordinator, model, hashes, walks, cap)
             assert enforced == hits[1][:3], (len(tokens), enforced, hits)
             reach = len(hashes) * model.sizes.hash_block
             for kk in range(len(model.sizes.groups)):
-                alone = [v0_33.group_reference_hit(model, c, kk, min(cap, reach), reach) for c in fresh]
+                alone = [engine.group_reference_hit(model, c, kk, min(cap, reach), reach) for c in fresh]
                 assert alone[0] == alone[1], (len(tokens), kk, alone)
     assert checked

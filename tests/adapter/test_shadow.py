@@ -8,7 +8,7 @@ import logging
 from prometheus_client import REGISTRY
 
 import kvhit.adapters.vllm as kvhit_vllm
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine, v0_33
 from tests.adapter.layouts import harness_layout
 from tests.conformance.vllm_harness import VllmHarness
 
@@ -24,7 +24,7 @@ def test_shadow_keeps_vllms_hit_and_counts_the_divergence(kvhit_log):
     harness = VllmHarness(harness_layout("full16"), "drop", max_model_len=2048)
     tokens = list(range(1, 1025))
     harness.serve(tokens)
-    label = v0_33._models[harness.manager.coordinator].label
+    label = engine._models[harness.manager.coordinator].label
     labels = {"layout": label, "direction": "reference_longer"}
     before = _sample("kvhit_hit_divergences_total", labels)
     before_tokens = _sample("kvhit_hit_divergence_tokens_total", labels)
@@ -50,7 +50,7 @@ def test_shadow_counts_nothing_when_vllm_already_gives_the_reference_hit():
     harness = VllmHarness(harness_layout("qwen3next"), "lookahead", max_model_len=16384)
     tokens = list(range(1, 11911))
     harness.serve(tokens)
-    label = v0_33._models[harness.manager.coordinator].label
+    label = engine._models[harness.manager.coordinator].label
     counted = [_sample("kvhit_hit_divergences_total", {"layout": label, "direction": d})
                for d in ("reference_longer", "reference_shorter")]
     assert harness.probe(tokens)["hit"] == 11200

@@ -5,7 +5,7 @@ import os
 
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine
 from tests.adapter.layouts import harness_layout
 from tests.conformance.vllm_harness import VllmHarness
 
@@ -18,12 +18,12 @@ def _read_back(status):
 
 def test_status_file_round_trips_the_modelled_layout(tmp_path, monkeypatch):
     path = tmp_path / "status.json"
-    monkeypatch.setenv(v0_33.STATUS_FILE_ENV, str(path))
+    monkeypatch.setenv(engine.STATUS_FILE_ENV, str(path))
     assert kvhit_vllm.install("enforce")
     for name, dcp, mode in (("llama_eagle", 2, "drop"), ("qwen3next", 1, "lookahead")):
         harness = VllmHarness(harness_layout(name, dcp), mode, num_speculative_tokens=1, retention_interval=0,
                               max_model_len=20000)
-        model = v0_33._models[harness.manager.coordinator]
+        model = engine._models[harness.manager.coordinator]
         status = json.loads(path.read_text())
         assert (status["pid"], status["mode"], status["modelled"], status["label"]) == (
             os.getpid(), "enforce", True, model.label)
@@ -34,7 +34,7 @@ def test_status_file_round_trips_the_modelled_layout(tmp_path, monkeypatch):
 
 
 def test_no_status_file_without_the_variable(tmp_path, monkeypatch):
-    monkeypatch.delenv(v0_33.STATUS_FILE_ENV, raising=False)
+    monkeypatch.delenv(engine.STATUS_FILE_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     assert kvhit_vllm.install("enforce")
     VllmHarness(harness_layout("full16"), "drop", retention_interval=0, max_model_len=4096)

@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine, v0_33
 from kvhit.convert import to_refimpl
 from kvhit.proofs.model import cache_from_runs
 from tests.adapter.layouts import harness_layout, unsound_blocks
@@ -83,7 +83,7 @@ def test_enforce_gives_the_reference_hit_on_every_pinned_counterexample_state(pa
             return f"IndexError: {e}"
 
     stock = lookup(original)
-    if v0_33._models[coordinator] is None:
+    if engine._models[coordinator] is None:
         # Chunked local attention: the spec does not model its write side, so the adapter leaves the whole
         # layout to vLLM, and the lookup is vLLM's own, a wrong hit or an IndexError included.
         assert any(g.kind is R.Kind.CHUNKED for g in layout.groups), path.stem
@@ -92,7 +92,7 @@ def test_enforce_gives_the_reference_hit_on_every_pinned_counterexample_state(pa
     blocks, hit, _ = coordinator.find_longest_cache_hit(hashes, n - 1)
     assert hit == expected, f"{path.stem}: enforce {hit}, reference {expected}, vLLM {stock}"
     assert not unsound_blocks(harness, tokens, blocks, hit)
-    assert v0_33.ENFORCE_FALLBACKS.labels(v0_33._models[harness.manager.coordinator].label)._value.get() == 0
+    assert engine.ENFORCE_FALLBACKS.labels(engine._models[harness.manager.coordinator].label)._value.get() == 0
 
 
 @pytest.mark.parametrize("path", WRITE_VECTORS, ids=[p.stem for p in WRITE_VECTORS])

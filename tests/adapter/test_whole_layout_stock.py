@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
 import tests.conformance.vllm_harness as vllm_harness
-from kvhit.adapters.vllm import v0_33
+from kvhit.adapters.vllm import engine, v0_33
 from tests.adapter import child_runs, scheduler_run
 from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 from tests.conformance.vllm_harness import VllmHarness
@@ -150,11 +150,11 @@ def _left_stock(monkeypatch, tmp_path, kvhit_log, make_harness, n, why):
     status file) and serves the stream exactly as stock vLLM does."""
     stock = _stream(make_harness(), n)
     path = tmp_path / "status.json"
-    monkeypatch.setenv(v0_33.STATUS_FILE_ENV, str(path))
+    monkeypatch.setenv(engine.STATUS_FILE_ENV, str(path))
     assert kvhit_vllm.install("enforce")
     before = _unmodelled()
     harness = make_harness()
-    assert v0_33._models[harness.manager.coordinator] is None
+    assert engine._models[harness.manager.coordinator] is None
     assert _unmodelled() == before + 1
     status = json.loads(path.read_text())
     assert status["modelled"] is False and why in status["unmodelled"], status
@@ -201,7 +201,7 @@ def test_a_retention_interval_the_write_side_rejects_has_no_write_model():
     sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop"))
     coordinator = types.SimpleNamespace(retention_interval=sizes.scheduler_block + 1,
                                         kv_cache_config=types.SimpleNamespace(kv_cache_groups=[]))
-    write, why = v0_33._write_side(coordinator, sizes, "qwen3next")
+    write, why = engine._write_side(coordinator, sizes, "qwen3next")
     assert write is None and "rejects" in why and "retention interval" in why, why
 
 
@@ -211,7 +211,7 @@ def test_dense_retention_on_a_layout_without_sliding_window_or_mamba_is_modelled
     interval 0, and the layout stays enforced (the F2 block is kept)."""
     assert kvhit_vllm.install("enforce")
     harness = VllmHarness(harness_layout("full16"), "drop", retention_interval=None, max_model_len=4096)
-    model = v0_33._models[harness.manager.coordinator]
+    model = engine._models[harness.manager.coordinator]
     assert model is not None and model.write.retention == 0
     tokens = [random.Random(1).randrange(1, 50000) for _ in range(1024)]
     harness.serve(tokens)
@@ -245,7 +245,7 @@ def test_a_kv_cache_manager_outside_a_scheduler_keeps_its_layout_enforced():
     lookup it caps below ``N - 1`` is answered by vLLM's own code for that lookup."""
     assert kvhit_vllm.install("enforce")
     harness = _catalogue_harness("qwen3next", "drop")()
-    assert v0_33._models[harness.manager.coordinator] is not None
+    assert engine._models[harness.manager.coordinator] is not None
     tokens = [random.Random(0).randrange(1, 50000) for _ in range(11910)]
     harness.serve(tokens)
     request = harness._new_request(tokens)

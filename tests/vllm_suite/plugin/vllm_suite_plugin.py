@@ -92,7 +92,7 @@ def _kvhit_seams() -> list[str]:
 
 def _kvhit_counters() -> dict[str, float]:
     """kvhit's prometheus counters, summed over labels (empty when kvhit is not imported)."""
-    if "kvhit.adapters.vllm.v0_33" not in sys.modules:
+    if "kvhit.adapters.vllm.engine" not in sys.modules:
         return {}
     import prometheus_client
 
