@@ -114,3 +114,19 @@ def test_vllm_0_33_loses_a_block_for_a_longer_sibling_of_a_block_aligned_prompt(
         rules = ALL_POLICIES[policy]
         cache = written_cache(request_writes(sizes, 704, interval, rules))
         assert hit_tokens(cache, sizes, 800, rules)[0] == want, (interval, policy)
+
+
+@pytest.mark.parametrize("interval, mamba32", [(384, []), (0, []), (None, [192])])
+def test_vllm_0_33_keeps_a_mamba_state_inside_the_prefill_lookahead_only_where_vllm_does(interval, mamba32):
+    """Measured on vLLM 0.33.0 (tests/conformance, a write scenario on a held prefix): full16 (DCP 2) + Mamba 32
+    + Mamba 128, prefix_match_unit 16, MTP 2 drop, a prompt of 193 tokens admitted at 176 with no junction.
+    Its one chunk runs 176 -> 193 through Mamba 32's block end at 192, within Lp = 2 of the prompt end; vLLM
+    keeps that state only with dense retention, and Mamba 128 keeps nothing past the hit."""
+    from kvhit.refimpl import ALL_POLICIES, derive_sizes, request_writes, written_cache
+    from kvhit.refimpl.policy import NO_JUNCTION
+
+    layout = Layout((Group("full", 16), Group("mamba", 32), Group("mamba", 128)), dcp=2, prefix_match_unit=16)
+    sizes = derive_sizes(layout, MTP2_DROP)
+    cache = written_cache(request_writes(sizes, 193, interval, ALL_POLICIES["vllm_0_33"], 176, NO_JUNCTION))
+    assert [x for x in range(177, 194) if cache.has(1, x)] == mamba32
+    assert [x for x in range(177, 194) if cache.has(2, x)] == []
