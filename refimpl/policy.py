@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: d40ab1b002b547eb6eceba79febe3958f1279c90aab0e996eb53f6991af829dd
-output-sha256: ab7749d679968ecdaec5cb704db48331fa684e24003b0e92b43b5ea2a71150ce
+spec-sha256: d07d1bec28c6e46d0ddfa528d5efe2dfd387ecd3b68ee2a6f17c1bc40bfd183c
+output-sha256: 99cc8ca7a85a92e56bc1cd7b572f79a3b2a8662174b9d44160497d019a399c2b
 """
 
 import itertools
@@ -1149,10 +1149,13 @@ def group_extent(sizes: Sizes, k, n_tokens, decoded: bool=False, chunked: bool=T
     enough decode steps that every prompt token is finalized and aligned (the caching calls of later steps
     reach ``N - L``).
 
-    ``chunked``: a Mamba state exists only at a chunk end, and the scheduler ends no chunk within the
-    prefill lookahead of the prompt end (vLLM ``Scheduler._reserve_prefill_lookahead``): with multi-module
-    MTP (``Lp >= 2``) no state lies in ``(N - Lp, N)``, so the extent below the prompt end is at most
-    ``N - Lp`` (a state at ``N`` itself is a chunk end, :func:`mamba_held`). Without it: the cacheable
+    ``chunked``: the extent bounds a Mamba group's periodic states, which are chunk ends, and the scheduler
+    ends no chunk within the prefill lookahead of the prompt end (vLLM ``Scheduler._reserve_prefill_lookahead``;
+    a mandatory stop there stalls the prefill instead, S1): with multi-module MTP (``Lp >= 2``) the extent is
+    at most ``N - Lp``. A state in ``(N - Lp, N)`` can still lie at the end of a Mamba block that the last
+    chunk runs through (:func:`mamba_chunk_ends`; full16 (DCP 2) + Mamba 32 + Mamba 128, MTP 2, ``N = 193``
+    admitted at 176: Mamba 32 at 192, kept by vLLM and the model when the mask keeps it), and one at ``N``
+    itself is a chunk end (:func:`mamba_held`). Without it: the cacheable
     prefix as the resume points read it (vLLM, patched: ``PromptCacheView``, which finds a hash within the
     group's cacheable tokens whatever the chunks were)."""
     top = n_tokens - sizes.hash_lookahead

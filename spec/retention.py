@@ -108,10 +108,13 @@ def group_extent(sizes: Sizes, k, n_tokens, decoded: bool = False, chunked: bool
     enough decode steps that every prompt token is finalized and aligned (the caching calls of later steps
     reach ``N - L``).
 
-    ``chunked``: a Mamba state exists only at a chunk end, and the scheduler ends no chunk within the
-    prefill lookahead of the prompt end (vLLM ``Scheduler._reserve_prefill_lookahead``): with multi-module
-    MTP (``Lp >= 2``) no state lies in ``(N - Lp, N)``, so the extent below the prompt end is at most
-    ``N - Lp`` (a state at ``N`` itself is a chunk end, :func:`mamba_held`). Without it: the cacheable
+    ``chunked``: the extent bounds a Mamba group's periodic states, which are chunk ends, and the scheduler
+    ends no chunk within the prefill lookahead of the prompt end (vLLM ``Scheduler._reserve_prefill_lookahead``;
+    a mandatory stop there stalls the prefill instead, S1): with multi-module MTP (``Lp >= 2``) the extent is
+    at most ``N - Lp``. A state in ``(N - Lp, N)`` can still lie at the end of a Mamba block that the last
+    chunk runs through (:func:`mamba_chunk_ends`; full16 (DCP 2) + Mamba 32 + Mamba 128, MTP 2, ``N = 193``
+    admitted at 176: Mamba 32 at 192, kept by vLLM and the model when the mask keeps it), and one at ``N``
+    itself is a chunk end (:func:`mamba_held`). Without it: the cacheable
     prefix as the resume points read it (vLLM, patched: ``PromptCacheView``, which finds a hash within the
     group's cacheable tokens whatever the chunks were)."""
     top = n_tokens - sizes.hash_lookahead
@@ -461,7 +464,8 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     b = sg.block
     unit = read_unit(sizes, k)
     extent = group_extent(sizes, k, n_tokens)  # of the periodic states
-    # a chunk end never lies within the prefill lookahead of the prompt end, whose own state can be cached
+    # no chunk ends within the prefill lookahead of the prompt end, but a block end the last chunk runs
+    # through and the prompt end's own state can be cached
     top = group_extent(sizes, k, n_tokens, chunked=False)
     aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
     resume = rules.replay == Replay.RESUME
