@@ -165,8 +165,8 @@ class CoordinatorModel:
         label: a short description for logs and metric labels.
         write: the reference write side for this layout, or None when the spec does not model it
             (``write_note`` says why). Such a model is never installed: the scheduler leaves the whole
-            layout to vLLM, read side and write side (:func:`get_kv_cache_coordinator`); it is built only to
-            check its read side's parts (``tests/adapter/test_pool_cache.py``).
+            layout to vLLM, read side and write side (:func:`get_kv_cache_coordinator_seam`); it is built
+            only to check its read side's parts (``tests/adapter/test_pool_cache.py``).
         walked: the spec groups whose leading run a lookup's walks of vLLM's full-attention groups give,
             with those groups' indices in vLLM's lookup order (:func:`walk_sources`).
         plans: per vLLM spec group in lookup order, what looking it up needs (:func:`group_plans`).
@@ -263,7 +263,8 @@ class WriteModel:
 def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
                 label: str) -> tuple[WriteModel | None, str]:
     """The reference write side for a coordinator whose read side the spec models, or ``(None, why the
-    spec does not model it)``: such a layout is left wholly to vLLM (:func:`get_kv_cache_coordinator`)."""
+    spec does not model it)``: such a layout is left wholly to vLLM
+    (:func:`get_kv_cache_coordinator_seam`)."""
     retention = coordinator.retention_interval
     if retention is None and not any(sg.kind in (Kind.SWA, Kind.MAMBA) for sg in sizes.groups):
         # vLLM accepts dense retention on any layout (KVCacheConfig's default; vLLM's unit tests build it)
@@ -619,9 +620,9 @@ def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_h
     Raises:
         _Stock: the cap is not ``N - 1`` for a request with these block hashes (the spec models only
             ``N - 1``): the hashes of ``N`` tokens would not reach as far as these. vLLM's scheduler caps
-            below ``N - 1`` only with auxiliary outputs, which leave the whole layout stock
-            (:func:`scheduler_stock_reason`); so this is a caller of a ``KVCacheManager`` built outside a
-            scheduler (vLLM's unit tests), answered by vLLM's own code for that lookup.
+            below ``N - 1`` only with auxiliary outputs, which leave the whole layout stock (a version
+            module's ``scheduler_stock_reason``); so this is a caller of a ``KVCacheManager`` built outside
+            a scheduler (vLLM's unit tests), answered by vLLM's own code for that lookup.
     """
     hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
     if reach != len(block_hashes) * model.sizes.hash_block:
