@@ -87,6 +87,10 @@ class Invariant:
             looks); ``--extended`` checks it whole (:func:`kvhit.proofs.runner.compose`).
         default_only: a lemma of such a composition: ``--extended``, which checks the composed claims
             whole, leaves it out.
+        lemmas: ``(invariant, policy)`` rows from whose verdicts a configuration the run does not check the
+            claim on for the reference gets the reference's verdict (PROVED when every one is PROVED there,
+            a read-side lemma on the configuration's read-side twin): only where the first lemma was checked
+            (:func:`kvhit.proofs.runner.compose_by_lemmas`).
     """
 
     name: str
@@ -102,6 +106,7 @@ class Invariant:
     extended_policies: tuple = ()
     by_lemma: tuple = ()
     default_only: bool = False
+    lemmas: tuple = ()
 
     @property
     def formula(self) -> str:
@@ -141,12 +146,14 @@ class _Context:
         """``(hit, reach, longest, converged)`` of the policy (or ``rules``) under a speculative setting."""
         return self.P.hit_tokens(self.cache, self.sizes(speculation), self.n, rules or self.rules)
 
-    def serves(self, x, speculation: Speculation | None = None):
-        """Whether every group serves a hit of ``x`` (the reference's notion of validity)."""
+    def serves(self, x, speculation: Speculation | None = None, cache=None, n=None):
+        """Whether every group serves a hit of ``x`` (the reference's notion of validity) to a prompt of
+        ``n`` tokens (the claim's ``N``) on ``cache`` (the claim's cache)."""
         sizes = self.sizes(speculation)
-        covered = self.P.hash_reach(sizes, self.n)
-        extents = self.P.group_extents(self.cache, sizes, covered)
-        return self.P.serves_all(self.cache, sizes, x, extents, covered, spec_policy.REFERENCE)
+        cache = self.cache if cache is None else cache
+        covered = self.P.hash_reach(sizes, self.n if n is None else n)
+        extents = self.P.group_extents(cache, sizes, covered)
+        return self.P.serves_all(cache, sizes, x, extents, covered, spec_policy.REFERENCE)
 
     def dense(self, extent, speculation: Speculation | None = None):
         """Every group holds every block up to ``extent`` tokens, at each unit its lookups read."""

@@ -14,8 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+from dataclasses import replace
+
 from kvhit.spec.catalogue import CATALOGUE
 from kvhit.spec.policy import ALL_POLICIES, POLICIES
+from kvhit.spec.sizes import derive_sizes
 
 from . import alignment, dcp, eagle, retention, termination, validity
 from .domains import SCENARIOS, configs
@@ -109,6 +112,7 @@ def tasks(only_catalogue_for_bad: bool = True):
 ONLY: set = set()
 # Relative cost of one check, measured on the default run (only the order of the work depends on it).
 COST = {"reference_never_below_vllm": 6, "eagle_loses_at_most_one_block_beyond_alignment": 5,
+        "vllm_0_33_cache_serves_nothing_the_policy_cache_does_not": 5,
         "a_shared_prefix_is_kept_at_the_junction": 4, "second_repeat_is_stable": 4,
         "scheduler_and_mask_boundaries_agree": 3, "hit_is_valid_in_every_group": 2}
 
@@ -125,6 +129,7 @@ def run(jobs: int | None = None) -> list[Verdict]:
     verdicts = verdicts_of(results, cfgs)
     if not EXTENDED:
         verdicts.update(compose(results, cfgs))
+    compose_by_lemmas(verdicts, results, cfgs)
     return list(verdicts.values())
 
 
@@ -184,6 +189,58 @@ def compose(results, cfgs) -> dict:
                 _add(v, label, verdict, cex)
             out[(inv.name, policy)] = v
     return out
+
+
+def _lookup_sizes(config):
+    """What a configuration's lookups read of its sizes: all but the prefill lookahead, which only the write
+    side reads (``tests/properties/test_read_twin.py``)."""
+    return replace(derive_sizes(config.layout, config.speculation), prefill_lookahead=0)
+
+
+def read_twin(config, cfgs) -> int | None:
+    """The index in ``cfgs`` of the read-side configuration whose lookups are those of ``config`` (a
+    write-side one): the same layout, the same sizes but for the prefill lookahead; None if there is none."""
+    want = _lookup_sizes(config)
+    for i, c in enumerate(cfgs):
+        if not c.write_side and c.layout == config.layout and _lookup_sizes(c) == want:
+            return i
+    return None
+
+
+def compose_by_lemmas(verdicts: dict, results, cfgs) -> None:
+    """Compose the reference's verdict of each invariant with :attr:`~kvhit.proofs.model.Invariant.lemmas` (when
+    the run judges it and ran every lemma's row) on the configurations the run checked its first lemma on
+    but not the claim itself: PROVED if every lemma is
+    PROVED there (a read-side lemma on the configuration's :func:`read_twin`), else UNKNOWN (the composition
+    says nothing, and the run fails). Where the claim was checked whole too, a composed PROVED with a whole
+    verdict other than PROVED is an ERROR: the composition would be unsound."""
+    by_task = {(inv, policy, index): verdict for (inv, policy, index, scenario), verdict, _, _, _ in results
+               if scenario is None}
+    ran = {(inv, policy) for inv, policy, _ in by_task}
+    for inv in INVARIANTS:
+        if not inv.lemmas or (ONLY and inv.name not in ONLY) or not ran.issuperset(inv.lemmas):
+            continue  # not judged in this run, or a lemma's row not run (``--invariant``): nothing composed
+        first = inv.lemmas[0]
+        composed = 0
+        for i, config in enumerate(cfgs):
+            if (first[0], first[1], i) not in by_task:
+                continue
+            twin = read_twin(config, cfgs)
+            missing = [f"{lemma} / {policy}" for lemma, policy in inv.lemmas
+                       if by_task.get((lemma, policy, i if BY_NAME[lemma].write_side else twin)) != "PROVED"]
+            whole = by_task.get((inv.name, "reference", i))
+            v = verdicts.setdefault((inv.name, "reference"), Verdict(inv.name, "reference", "PROVED"))
+            if whole is not None:
+                if not missing and whole != "PROVED":
+                    _add(v, config.label, "ERROR", {"error": f"composed PROVED, checked whole {whole}"})
+                continue
+            label = f"{config.label} (composed)"
+            v.configs.append(label)
+            composed += 1
+            _add(v, label, "UNKNOWN" if missing else "PROVED",
+                 {"error": f"not PROVED: {', '.join(missing)}"} if missing else None)
+        if composed:
+            v.composed_from = f"{composed} configurations from {', '.join(name for name, _ in inv.lemmas)}"
 
 
 def judge(verdicts: list[Verdict]) -> list[str]:

@@ -1,0 +1,89 @@
+"""The reference's dominance claim, composed where it is not checked whole (``Invariant.lemmas``,
+``runner.compose_by_lemmas``; README, "Dominance, composed"): PROVED on a configuration when vllm_0_33's
+cache serves nothing the reference's does not there, vllm_0_33's hit is valid and capped and the reference's
+is the longest valid on the configuration's read-side twin. Compared here with the claim checked whole where
+that finishes in seconds, shown to decline for the known-bad variant, and its bookkeeping."""
+
+from kvhit.proofs import runner
+from kvhit.proofs.domains import configs
+from kvhit.proofs.model import check, isolated_map
+from kvhit.spec.policy import ALL_POLICIES
+
+CLAIM = "reference_never_below_vllm"
+SERVES = "vllm_0_33_cache_serves_nothing_the_policy_cache_does_not"
+CFGS = configs(extended=False)
+WRITE = "qwen3next none R=0"  # whole: a few seconds
+MTP2 = "qwen3next drop Lp=2 mtp2 R=0"  # the Qwen3-Next report's setting
+
+
+def _index(label):
+    return next(i for i, c in enumerate(CFGS) if c.label == label)
+
+
+def _check(task):
+    invariant, policy, index = task
+    verdict, _, cex, _ = check(runner.BY_NAME[invariant], ALL_POLICIES[policy], CFGS[index])
+    return task, (verdict, cex)
+
+
+def _checks(*tasks):
+    """``_check`` of each task, each in a fresh process, two at a time, in the order given."""
+    done = dict(isolated_map(_check, list(tasks), 2))
+    return [done[t] for t in tasks]
+
+
+def _lemma_tasks(write, policy="reference"):
+    twin = runner.read_twin(CFGS[write], CFGS)
+    return [(SERVES, policy, write)] + [(inv, pol, twin) for inv, pol in runner.BY_NAME[CLAIM].lemmas[1:]]
+
+
+def _compose(tasks_and_verdicts):
+    verdicts = {}
+    results = [(task + (None,), verdict, 0.0, cex, 0) for task, (verdict, cex) in tasks_and_verdicts]
+    runner.compose_by_lemmas(verdicts, results, CFGS)
+    return verdicts.get((CLAIM, "reference"))
+
+
+def test_the_lemmas_are_the_claims_rows_and_the_twin_is_the_read_side():
+    assert runner.BY_NAME[CLAIM].lemmas[0] == (SERVES, "reference")
+    twin = CFGS[runner.read_twin(CFGS[_index(MTP2)], CFGS)]
+    assert twin.label == "qwen3next drop Lp=1" and not twin.write_side
+
+
+def test_the_composed_verdict_is_the_whole_checks_where_that_finishes():
+    write = _index(WRITE)
+    tasks = [(CLAIM, "reference", write)] + _lemma_tasks(write)
+    done = _checks(*tasks)
+    assert [v for v, _ in done] == ["PROVED"] * len(tasks)
+    row = _compose(list(zip(tasks[1:], done[1:])))
+    assert (row.verdict, row.configs) == ("PROVED", [f"{WRITE} (composed)"])
+    # With the whole verdict beside it, nothing is composed and nothing is contradicted.
+    row = _compose(list(zip(tasks, done)))
+    assert (row.verdict, row.configs) == ("PROVED", [])
+
+
+def test_the_known_bad_variant_fails_the_lemma_where_it_fails_the_claim():
+    """Non-vacuity through the composition: the reference without its junction loses a shared system prompt
+    (the claim checked whole is REFUTED), and the cache lemma is REFUTED for it too: vllm_0_33 keeps state at
+    the junction, which it does not."""
+    write = _index(WRITE)
+    whole, lemma = _checks((CLAIM, "without_junction", write), (SERVES, "without_junction", write))
+    assert (whole[0], lemma[0]) == ("REFUTED", "REFUTED")
+
+
+def test_a_lemma_not_proved_makes_the_composed_verdict_unknown():
+    tasks = _lemma_tasks(_index(WRITE))
+    proved = [(t, ("PROVED", None)) for t in tasks]
+    row = _compose([(tasks[0], ("REFUTED", {"N": 5}))] + proved[1:])
+    assert row.verdict == "UNKNOWN" and SERVES in row.counterexample["error"]
+    row = _compose(proved[:-1] + [(tasks[-1], ("REFUTED", {"N": 5}))])
+    assert row.verdict == "UNKNOWN" and "hit_is_the_longest_valid" in row.counterexample["error"]
+    assert _compose(proved[:-1]) is None  # a lemma's row not run (`--invariant`): nothing is composed
+    assert _compose(proved[1:]) is None
+
+
+def test_a_composed_proof_beside_a_whole_refutation_is_an_error():
+    write = _index(WRITE)
+    tasks = _lemma_tasks(write)
+    row = _compose([((CLAIM, "reference", write), ("REFUTED", {"N": 5}))] + [(t, ("PROVED", None)) for t in tasks])
+    assert row.verdict == "ERROR" and "checked whole REFUTED" in row.counterexample["error"]
