@@ -6,8 +6,9 @@ The version-independent part of the adapter: the layout mapping (:func:`model_co
 hit over vLLM's block pool and the enforced lookup, the write model, the eviction tier, the metrics and
 bounded logs, the status file, and :func:`install` / :func:`uninstall` over a version module's ``SEAMS``.
 The replacements installed into vLLM are made here from the originals a version module captures
-(``*_seam`` factories); each version module (``v0_33``: vLLM 0.33.0) holds those captures, its ``SEAMS``
-table, what differs in its release (a :class:`Release`) and the seams whose signature is its own. This
+(``*_seam`` factories); each version module (``v0_32``, ``v0_33``: vLLM 0.32.0, 0.33.0) holds those
+captures, its ``SEAMS`` table, what differs in its release (a :class:`Release`) and the seams whose
+signature or behaviour is its own. This
 module imports only vLLM names that are the same in every supported release; of kvhit it imports the
 generated ``kvhit.refimpl`` and the spec's staged lowering (``kvhit.spec.stage``), which specialises the
 reference hit to the layout once, when the coordinator is built. It is imported only after
@@ -1213,6 +1214,13 @@ def _write_fall_back(write: WriteModel, error: Exception) -> None:
     ENFORCE_FALLBACKS.labels(write.label).inc()
     _fallback_log(logging.ERROR, "kvhit enforce: write side on layout %s answered by vLLM: %s: %s",
                   write.label, type(error).__name__, error)
+
+
+def enforced_writing() -> bool:
+    """Whether vLLM is placing state for a request whose write side kvhit enforces (inside an enforced
+    ``KVCacheCoordinator.cache_blocks`` or ``Scheduler._mamba_block_aligned_split``): a version module's own
+    write-side seam (``v0_32.manager_cache_blocks``) asks this first."""
+    return _writing.get() is not None
 
 
 def enforced_resend_boundary() -> int | None:

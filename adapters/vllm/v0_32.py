@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""kvhit's seams in vLLM 0.32.0, and what the engine (:mod:`kvhit.adapters.vllm.engine`) needs to know of
+that release.
+
+Imported by :func:`kvhit.adapters.vllm.install` only after it checked that vLLM is 0.32.0 (the registry
+``kvhit.adapters.vllm.RELEASES``). The seams are 0.33.0's (``v0_33``: the same owners, names and
+signatures, read in both releases' sources, ``docs/notes/vllm-0.32-policy.md`` section 3), made with the
+same engine factories, plus one write-side seam of this release's own. What differs:
+
+* **No lookahead block hashes** (0.32 has no ``num_hash_lookahead_tokens``; ``BlockPool.__init__`` has no
+  such parameter): every EAGLE-family drafter with prefix caching drops, so the drop set is the
+  coordinator's ``eagle_group_ids`` (``kv_cache_coordinator.py:128-133``, read at ``:367``, ``:572``,
+  ``:585``, ``:723``), and the hash lookahead is 0.
+* **The junction without the block below it.** 0.32's ``SingleTypeKVCacheManager.cache_blocks``
+  (``single_type_kv_cache_manager.py:509-511``) keeps a sparse group's state at the request's
+  ``shared_prefix_boundary`` only; 0.33's also one block below it for a dropping group (a sibling that
+  diverges right after the junction hits one block lower). The reference write side keeps both
+  (``refimpl.junction_boundaries`` under ``REFERENCE``), so inside an enforced write this module adds that
+  boundary as 0.33's line does (``manager_cache_blocks``); stock 0.32's boundaries, which the eviction tier
+  compares with, do not have it (:func:`stock_reachable_boundaries`).
+* **``get_mamba_prefill_checkpoint_position(num_tokens, hash_block_size, drop_eagle_block)``**: three
+  parameters (``kv_cache_interface.py:1110``), imported by name at ``single_type_kv_cache_manager.py:38``
+  and ``sched/scheduler.py:60``.
+* **No lookup cap below ``N - 1``**: ``KVCacheManager.get_computed_blocks(request)`` always looks up at
+  ``request.num_tokens - 1`` (``kv_cache_manager.py:264``, ``:295``); 0.32's ``AuxOutputSchedulerConnector``
+  has no ``max_cache_hit``. Auxiliary outputs still leave the layout to vLLM (:func:`scheduler_stock_reason`).
+* Stock's policy is refimpl's ``vllm_0_32``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vllm.v1.core import kv_cache_coordinator as _coordinator_module
+from vllm.v1.core import kv_cache_manager as _manager_module
+from vllm.v1.core import single_type_kv_cache_manager as _single_type_module
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+)
+from vllm.v1.core.sched import scheduler as _scheduler_module
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+from kvhit.refimpl import VLLM_0_32
+
+from . import engine
+
+# --------------------------------------------------------------------------------------------------
+# vLLM 0.32.0's originals
+# --------------------------------------------------------------------------------------------------
+
+_ORIGINAL_GET_COORDINATOR = _manager_module.get_kv_cache_coordinator
+_ORIGINAL_SCHEDULER_INIT = _scheduler_module.Scheduler.__dict__["__init__"]
+_ORIGINAL_UNITARY_FIND = UnitaryKVCacheCoordinator.__dict__["find_longest_cache_hit"]
+_ORIGINAL_HYBRID_FIND = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit"]
+_ORIGINAL_HYBRID_PER_GROUP = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit_per_group"]
+_ORIGINAL_CACHE_BLOCKS = KVCacheCoordinator.__dict__["cache_blocks"]
+_ORIGINAL_MANAGER_CACHE_BLOCKS = SingleTypeKVCacheManager.__dict__["cache_blocks"]
+_ORIGINAL_REPLAY_BOUNDARIES = _coordinator_module.replay_boundaries
+_ORIGINAL_MANAGER_CHECKPOINT = _single_type_module.get_mamba_prefill_checkpoint_position
+_ORIGINAL_SCHEDULER_CHECKPOINT = _scheduler_module.get_mamba_prefill_checkpoint_position
+_ORIGINAL_MAMBA_SPLIT = _scheduler_module.Scheduler.__dict__["_mamba_block_aligned_split"]
+_ORIGINAL_GET_NEW_BLOCKS = BlockPool.__dict__["get_new_blocks"]
+_ORIGINAL_TOUCH = BlockPool.__dict__["touch"]
+_ORIGINAL_ALLOCATE_COMPUTED = KVCacheCoordinator.__dict__["allocate_new_computed_blocks"]
+
+# --------------------------------------------------------------------------------------------------
+# What differs in this release
+# --------------------------------------------------------------------------------------------------
+
+
+def drop_group_ids(coordinator: KVCacheCoordinator) -> set[int]:
+    """The KV-cache groups in which the coordinator drops the EAGLE block: ``eagle_group_ids`` (0.32 has no
+    lookahead hashes to clear it; flagged groups drop even when the scheduler passed ``use_eagle=False``)."""
+    return coordinator.eagle_group_ids
+
+
+def hash_lookahead_tokens(coordinator: KVCacheCoordinator) -> int:
+    """0: vLLM 0.32's block hashes cover their block only."""
+    return 0
+
+
+def stock_reachable_boundaries(coordinator: KVCacheCoordinator, manager, request,
+                               junctions: list[int]) -> list[int]:
+    """The boundaries vLLM 0.32's ``SingleTypeKVCacheManager.cache_blocks`` gives
+    ``manager.reachable_block_mask`` for ``request`` with shared-prefix boundaries ``junctions``: vLLM's
+    ``replay_boundaries`` (as ``KVCacheCoordinator.cache_blocks`` computes them, ``use_eagle=
+    bool(self.eagle_group_ids)``) and each junction; not the block below it (0.33's)."""
+    return [*_ORIGINAL_REPLAY_BOUNDARIES(request.num_prompt_tokens, coordinator.scheduler_block_size,
+                                         bool(coordinator.eagle_group_ids)), *junctions]
+
+
+def scheduler_stock_reason(vllm_config) -> str | None:
+    """Why a vLLM 0.32 scheduler built from ``vllm_config`` leaves its whole layout to vLLM, or None.
+
+    * A KV connector (``kv_transfer_config``; the scheduler builds it before its KV cache manager): the
+      tokens it loads past the local hit, and ``get_computed_blocks_for_connector``'s per-group lookup, are
+      not modelled.
+    * Auxiliary outputs (``aux_output_config.enabled``): 0.32's connector does not cap lookups, but the
+      routed-experts rows it replays for a cached prefix come from a worker-side store kvhit has not read
+      against a hit longer than stock's; left to vLLM until it has (never less than stock).
+
+    A config it cannot read is a reason too. Never raises.
+    """
+    try:
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
+                    "per-group local lookup are not modelled")
+        aux = getattr(vllm_config, "aux_output_config", None)
+        if aux is not None and aux.enabled:
+            return ("the scheduler has auxiliary outputs (aux_output_config): their rows for a cached prefix "
+                    "are not modelled on vLLM 0.32")
+    except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
+        return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
+    return None
+
+
+RELEASE = engine.Release(
+    stock_rules=VLLM_0_32,
+    drop_group_ids=drop_group_ids,
+    hash_lookahead_tokens=hash_lookahead_tokens,
+    stock_reachable_boundaries=stock_reachable_boundaries,
+)
+"""vLLM 0.32.0 as the engine sees it."""
+
+
+def _checkpoint_position(original: Callable) -> Callable:
+    def get_mamba_prefill_checkpoint_position(num_tokens, hash_block_size, drop_eagle_block):
+        """``get_mamba_prefill_checkpoint_position`` (0.32's three parameters) as the Mamba manager and the
+        scheduler see it: inside an enforced write, the reference resend boundary, else vLLM's."""
+        resend = engine.enforced_resend_boundary()
+        if resend is not None:
+            return resend
+        return original(num_tokens, hash_block_size, drop_eagle_block)
+
+    return get_mamba_prefill_checkpoint_position
+
+
+def manager_cache_blocks(self: SingleTypeKVCacheManager, request, num_tokens: int,
+                         retention_interval: int | None = None, *, replay_boundaries) -> None:
+    """``SingleTypeKVCacheManager.cache_blocks``; inside an enforced write, a manager that drops the
+    EAGLE block also keeps its state one block below the request's shared-prefix junction, as the
+    reference write side does (and vLLM 0.33's own line: a sibling that diverges right after the
+    junction cannot use the block past it as the EAGLE peek, so its hit lands one block lower)."""
+    junction = request.shared_prefix_boundary
+    if junction and self.use_eagle and engine.enforced_writing():
+        replay_boundaries = [*replay_boundaries, junction - self.block_size]
+    return _ORIGINAL_MANAGER_CACHE_BLOCKS(self, request, num_tokens, retention_interval,
+                                          replay_boundaries=replay_boundaries)
+
+
+# --------------------------------------------------------------------------------------------------
+# The replacements
+# --------------------------------------------------------------------------------------------------
+
+get_kv_cache_coordinator = engine.get_kv_cache_coordinator_seam(_ORIGINAL_GET_COORDINATOR, RELEASE)
+scheduler_init = engine.scheduler_init_seam(_ORIGINAL_SCHEDULER_INIT, scheduler_stock_reason)
+unitary_find_longest_cache_hit = engine.find_longest_cache_hit_seam(_ORIGINAL_UNITARY_FIND,
+                                                                    "UnitaryKVCacheCoordinator")
+hybrid_find_longest_cache_hit = engine.find_longest_cache_hit_seam(_ORIGINAL_HYBRID_FIND,
+                                                                   "HybridKVCacheCoordinator")
+hybrid_find_longest_cache_hit_per_group = engine.hybrid_find_longest_cache_hit_per_group_seam(
+    _ORIGINAL_HYBRID_PER_GROUP)
+coordinator_cache_blocks = engine.coordinator_cache_blocks_seam(_ORIGINAL_CACHE_BLOCKS)
+coordinator_replay_boundaries = engine.coordinator_replay_boundaries_seam(_ORIGINAL_REPLAY_BOUNDARIES)
+manager_checkpoint_position = _checkpoint_position(_ORIGINAL_MANAGER_CHECKPOINT)
+scheduler_checkpoint_position = _checkpoint_position(_ORIGINAL_SCHEDULER_CHECKPOINT)
+mamba_block_aligned_split = engine.mamba_block_aligned_split_seam(_ORIGINAL_MAMBA_SPLIT)
+block_pool_get_new_blocks = engine.block_pool_get_new_blocks_seam(_ORIGINAL_GET_NEW_BLOCKS)
+block_pool_touch = engine.block_pool_touch_seam(_ORIGINAL_TOUCH)
+coordinator_allocate_new_computed_blocks = engine.coordinator_allocate_new_computed_blocks_seam(
+    _ORIGINAL_ALLOCATE_COMPUTED)
+
+SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
+    (_manager_module, "get_kv_cache_coordinator", _ORIGINAL_GET_COORDINATOR, get_kv_cache_coordinator),
+    (_scheduler_module.Scheduler, "__init__", _ORIGINAL_SCHEDULER_INIT, scheduler_init),
+    (UnitaryKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_UNITARY_FIND,
+     unitary_find_longest_cache_hit),
+    (HybridKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_HYBRID_FIND,
+     hybrid_find_longest_cache_hit),
+    (HybridKVCacheCoordinator, "find_longest_cache_hit_per_group", _ORIGINAL_HYBRID_PER_GROUP,
+     hybrid_find_longest_cache_hit_per_group),
+    # The write side (enforce only, layouts with a WriteModel).
+    (KVCacheCoordinator, "cache_blocks", _ORIGINAL_CACHE_BLOCKS, coordinator_cache_blocks),
+    (SingleTypeKVCacheManager, "cache_blocks", _ORIGINAL_MANAGER_CACHE_BLOCKS, manager_cache_blocks),
+    (_coordinator_module, "replay_boundaries", _ORIGINAL_REPLAY_BOUNDARIES, coordinator_replay_boundaries),
+    (_single_type_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_MANAGER_CHECKPOINT,
+     manager_checkpoint_position),
+    (_scheduler_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_SCHEDULER_CHECKPOINT,
+     scheduler_checkpoint_position),
+    (_scheduler_module.Scheduler, "_mamba_block_aligned_split", _ORIGINAL_MAMBA_SPLIT,
+     mamba_block_aligned_split),
+    # The eviction order (enforce only: EvictionTier).
+    (BlockPool, "get_new_blocks", _ORIGINAL_GET_NEW_BLOCKS, block_pool_get_new_blocks),
+    (BlockPool, "touch", _ORIGINAL_TOUCH, block_pool_touch),
+    (KVCacheCoordinator, "allocate_new_computed_blocks", _ORIGINAL_ALLOCATE_COMPUTED,
+     coordinator_allocate_new_computed_blocks),
+)
+"""(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""
