@@ -77,14 +77,23 @@ MODELS = {
 }
 
 
+def lookahead_hashes() -> bool:
+    """Whether the installed vLLM has lookahead block hashes, the spec marker ``is_draft`` and the planner
+    module ``kv_cache_planning`` (0.33; 0.32 has none of them: docs/notes/vllm-0.32-policy.md, D1 and D4)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.core.kv_cache_planning") is not None
+
+
 def _attention_layers(block_size: int, n_target: int, n_draft: int, num_kv_heads: int, head_size: int) -> dict:
     import torch
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     def spec(is_draft):
+        draft = {"is_draft": is_draft} if lookahead_hashes() else {}  # 0.32: the planner finds the draft
         return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                                 dtype=torch.float32, is_draft=is_draft)
+                                 dtype=torch.float32, **draft)
 
     layers = {f"model.layers.{i}.self_attn.attn": spec(False) for i in range(n_target)}
     layers.update({f"draft.layers.{i}.self_attn.attn": spec(True) for i in range(n_draft)})
@@ -162,6 +171,11 @@ def nemotron_h_mtp_layers(vllm_config, model: str = "nemotron_h_mtp", drafts: in
                                                       c["ssm_state_size"])),
             (torch.float32, torch.float32), page_size_padded=page, mamba_cache_mode="align",
             num_speculative_blocks=vllm_config.num_speculative_tokens)
+    if not lookahead_hashes():
+        # vLLM 0.32's planner flags the group of the last registered layer as the MTP group (D4); a real
+        # model registers its MTP layers after its own, as 0.33's is_draft marks them.
+        layers = {**{n: s for n, s in layers.items() if not n.startswith("draft.")},
+                  **{n: s for n, s in layers.items() if n.startswith("draft.")}}
     return layers
 
 
@@ -333,7 +347,6 @@ def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
     )
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
         get_request_block_hasher,
@@ -352,6 +365,8 @@ def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
     speculative = setup.speculative
     if speculative is not None:
         speculative = dict(speculative)
+        if not lookahead_hashes():  # vLLM 0.32: no lookahead hashes to disable, every drafter drops
+            speculative.pop("disable_lookahead_block_hashes", None)
         if "model" in speculative:
             speculative["model"] = os.path.join(models_dir, speculative["model"])
     vllm_config = VllmConfig(
@@ -375,10 +390,17 @@ def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
     # what the workers report (the layout places bytes in memory; it plays no part in prefix caching).
     layers = setup.layers_of(vllm_config)
     resolve_kv_cache_layout(vllm_config, [["LBNHC"]], list(layers.values()))
-    groups = get_global_kv_cache_groups(vllm_config, [layers])
     page = sum(spec.page_size_bytes for spec in layers.values())
-    kv_cache_configs = get_kv_cache_configs(vllm_config, [layers], [page * (4 * max_model_len // block_size + 8)],
-                                            groups)
+    memory = [page * (4 * max_model_len // block_size + 8)]
+    if lookahead_hashes():
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+        kv_cache_configs = get_kv_cache_configs(vllm_config, [layers], memory,
+                                                get_global_kv_cache_groups(vllm_config, [layers]))
+    else:  # vLLM 0.32: the groups are planned inside get_kv_cache_configs
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        kv_cache_configs = get_kv_cache_configs(vllm_config, [layers], memory)
     kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     vllm_config.cache_config.block_size = min(
@@ -394,7 +416,8 @@ def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
                           block_size=block_size, hash_block_size=hash_block_size)
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    block_hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+    lookahead = (vllm_config.num_hash_lookahead_tokens,) if lookahead_hashes() else ()
+    block_hasher = get_request_block_hasher(hash_block_size, hash_fn, *lookahead)
     return scheduler, block_hasher
 
 
@@ -512,7 +535,7 @@ def run_scenario(name: str, models_dir: str) -> dict:
         "scheduler": {"block_size": scheduler.block_size, "hash_block_size": scheduler.hash_block_size,
                       "coordinator": type(scheduler.kv_cache_manager.coordinator).__name__,
                       "use_eagle_block_drop": scheduler.use_eagle_block_drop,
-                      "num_hash_lookahead_tokens": scheduler.num_hash_lookahead_tokens,
+                      "num_hash_lookahead_tokens": getattr(scheduler, "num_hash_lookahead_tokens", 0),
                       "num_prefill_lookahead": scheduler.num_prefill_lookahead,
                       "num_spec_tokens": scheduler.num_spec_tokens,
                       "method": spec and spec.method,

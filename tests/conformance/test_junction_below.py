@@ -49,7 +49,9 @@ def _model_b(rules):
     return hit, junction_of(sizes, hit, longest, rules)
 
 
-def test_a_prompt_diverging_right_after_the_junction_hits_what_the_release_keeps():
+def serve_stream() -> tuple[int, int, int, int]:
+    """Serve ``A`` and ``B`` on a new harness of vLLM's classes and look up ``C``, which shares the junction
+    ``B`` recorded: ``(A's hit, B's hit, B's junction, C's hit)``."""
     rng = random.Random(N)
 
     def fresh(n):
@@ -58,13 +60,19 @@ def test_a_prompt_diverging_right_after_the_junction_hits_what_the_release_keeps
     harness = VllmHarness(to_harness(GEMMA), "drop", num_speculative_tokens=1, retention_interval=0,
                           max_model_len=4096)
     a_tokens = fresh(N)
-    assert harness.serve(a_tokens, decode_steps=0)["hit"] == 0
+    a = harness.serve(a_tokens, decode_steps=0)
     b_tokens = a_tokens[:CUT] + fresh(N - CUT)
     b = harness.serve(b_tokens, decode_steps=0)
-    assert (b["hit"], b["spb"]) == (0, JUNCTION) == _model_b(POLICY)
-    c = harness.probe(b_tokens[:JUNCTION] + fresh(TAIL))
+    c = harness.probe(b_tokens[:b["spb"]] + fresh(TAIL))
+    return a["hit"], b["hit"], b["spb"], c["hit"]
 
-    assert c["hit"] == C_HIT[VLLM_VERSION], f"vLLM {VLLM_VERSION}: C hits {c['hit']}"
-    assert _model_c_hit(POLICY, b["hit"], b["spb"]) == c["hit"], POLICY.name
+
+def test_a_prompt_diverging_right_after_the_junction_hits_what_the_release_keeps():
+    a_hit, b_hit, junction, c_hit = serve_stream()
+    assert a_hit == 0
+    assert (b_hit, junction) == (0, JUNCTION) == _model_b(POLICY)
+
+    assert c_hit == C_HIT[VLLM_VERSION], f"vLLM {VLLM_VERSION}: C hits {c_hit}"
+    assert _model_c_hit(POLICY, b_hit, junction) == c_hit, POLICY.name
     other = policy_rules(OTHER[VLLM_VERSION])
-    assert _model_c_hit(other, b["hit"], b["spb"]) != c["hit"], f"{other.name} does not tell the releases apart"
+    assert _model_c_hit(other, b_hit, junction) != c_hit, f"{other.name} does not tell the releases apart"
