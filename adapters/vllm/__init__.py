@@ -20,8 +20,8 @@ The same is reachable from Python::
 
 The supported vLLM versions are the keys of :data:`RELEASES`: any other version is
 refused with one log line and left untouched. This module imports no vLLM internals: the seams of each
-version live in its own module (``v0_33``), which with the version-independent ``engine`` is imported only
-after the version check.
+version live in its own module (``v0_32``, ``v0_33``), which with the version-independent ``engine`` is
+imported only after the version check.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Iterator
 MODES = ("off", "shadow", "enforce")
 """Values of ``KVHIT_MODE`` and of :func:`install`'s ``mode``."""
 
-RELEASES = {"0.33.0": "v0_33"}
+RELEASES = {"0.32.0": "v0_32", "0.33.0": "v0_33"}
 """vLLM version -> the module of this package that holds its seams: the versions whose internals the
 adapter was written and tested against."""
 

@@ -11,7 +11,7 @@ if VLLM_VERSION == "0.32.0":
     collect_ignore = ["test_comparison_can_fail.py", "test_counterexamples_on_vllm.py",
                       "test_findings_reproduce.py", "test_patched_vllm.py"]
 elif VLLM_VERSION == "0.33.0":
-    collect_ignore = ["test_adapter_engine_on_0_32.py"]  # make conformance-032's
+    collect_ignore = ["test_adapter_on_0_32.py"]  # make conformance-032's
 else:
     raise RuntimeError(f"tests/conformance runs on vLLM 0.33.0 (make test) or 0.32.0 (make conformance-032), "
                        f"not {VLLM_VERSION}")
