@@ -246,8 +246,9 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
 # units a second, the default one 2-15 million; the costliest check the simplex solver decides in the
 # default run takes 372 million (the costliest over both tries, a stream check, 682 million), and one that
 # the simplex solver decides in 60 million was sent to the default solver, for 395 s, by a first bound of
-# 40 million. The default solver's bound leaves room above the costliest check over both tries, the
-# dominance lemma on gemma in drop mode with MTP 2 (1,792 million: 400 in the first try, 1,392 in the second).
+# 40 million. The default solver's bound leaves room above the costliest check over both tries measured, the
+# dominance lemma on gemma in drop mode with MTP 2 (--extended; 1,792 million: 400 in the first try, 1,392
+# in the second).
 PORTFOLIO = ((2, 400_000_000), (6, 3_000_000_000))
 
 

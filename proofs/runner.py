@@ -12,9 +12,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from kvhit.spec.catalogue import CATALOGUE
 from kvhit.spec.policy import ALL_POLICIES, POLICIES
