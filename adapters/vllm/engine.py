@@ -49,6 +49,7 @@ from typing import NamedTuple
 import vllm
 from prometheus_client import Counter
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.core.kv_cache_coordinator import eagle_proof_margin
@@ -57,6 +58,7 @@ from vllm.v1.core.kv_cache_coordinator import (
     KVCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
+from vllm.v1.core.sched import scheduler
 from vllm.v1.core.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
@@ -1475,6 +1477,72 @@ def coordinator_allocate_new_computed_blocks_seam(original: Callable) -> Callabl
         return original(self, request_id, new_computed_blocks, num_local_computed_tokens, *args, **kwargs)
 
     return coordinator_allocate_new_computed_blocks
+
+
+# --------------------------------------------------------------------------------------------------
+# The seams every supported release shares
+# --------------------------------------------------------------------------------------------------
+
+class Originals(NamedTuple):
+    """vLLM's originals of the attributes kvhit replaces in every supported release: the same owners and
+    names in 0.32.0 and 0.33.0 (read in both releases' sources, ``docs/notes/vllm-0.32-policy.md``
+    section 3), captured by :func:`capture_originals` when a release module is imported."""
+
+    get_coordinator: Callable
+    scheduler_init: Callable
+    unitary_find: Callable
+    hybrid_find: Callable
+    hybrid_per_group: Callable
+    cache_blocks: Callable
+    replay_boundaries: Callable
+    manager_checkpoint: Callable
+    scheduler_checkpoint: Callable
+    mamba_split: Callable
+    get_new_blocks: Callable
+    touch: Callable
+    allocate_computed: Callable
+
+
+def _shared_owners() -> Originals:
+    """``(owner, attribute)`` of each field of :class:`Originals`."""
+    return Originals(
+        (kv_cache_manager, "get_kv_cache_coordinator"), (scheduler.Scheduler, "__init__"),
+        (UnitaryKVCacheCoordinator, "find_longest_cache_hit"), (HybridKVCacheCoordinator, "find_longest_cache_hit"),
+        (HybridKVCacheCoordinator, "find_longest_cache_hit_per_group"), (KVCacheCoordinator, "cache_blocks"),
+        (kv_cache_coordinator, "replay_boundaries"),
+        (single_type_kv_cache_manager, "get_mamba_prefill_checkpoint_position"),
+        (scheduler, "get_mamba_prefill_checkpoint_position"), (scheduler.Scheduler, "_mamba_block_aligned_split"),
+        (BlockPool, "get_new_blocks"), (BlockPool, "touch"), (KVCacheCoordinator, "allocate_new_computed_blocks"))
+
+
+def capture_originals() -> Originals:
+    """vLLM's attributes of :class:`Originals` as the installed vLLM has them now (a release module calls
+    this when it is imported, before anything is installed)."""
+    return Originals(*(vars(owner)[name] for owner, name in _shared_owners()))
+
+
+def shared_seams(original: Originals, release: Release, stock_reason: Callable[[object], str | None],
+                 checkpoint_position: Callable[[Callable], Callable]) -> tuple:
+    """``(owner, attribute, vLLM's original, kvhit's replacement)`` of every seam of :class:`Originals`, made
+    by this module's factories for ``release``: ``stock_reason`` is the release's
+    :func:`scheduler_init_seam` reason and ``checkpoint_position(original)`` its wrapper of
+    ``get_mamba_prefill_checkpoint_position`` (whose parameters differ between releases)."""
+    replacements = Originals(
+        get_coordinator=get_kv_cache_coordinator_seam(original.get_coordinator, release),
+        scheduler_init=scheduler_init_seam(original.scheduler_init, stock_reason),
+        unitary_find=find_longest_cache_hit_seam(original.unitary_find, "UnitaryKVCacheCoordinator"),
+        hybrid_find=find_longest_cache_hit_seam(original.hybrid_find, "HybridKVCacheCoordinator"),
+        hybrid_per_group=hybrid_find_longest_cache_hit_per_group_seam(original.hybrid_per_group),
+        cache_blocks=coordinator_cache_blocks_seam(original.cache_blocks),
+        replay_boundaries=coordinator_replay_boundaries_seam(original.replay_boundaries),
+        manager_checkpoint=checkpoint_position(original.manager_checkpoint),
+        scheduler_checkpoint=checkpoint_position(original.scheduler_checkpoint),
+        mamba_split=mamba_block_aligned_split_seam(original.mamba_split),
+        get_new_blocks=block_pool_get_new_blocks_seam(original.get_new_blocks),
+        touch=block_pool_touch_seam(original.touch),
+        allocate_computed=coordinator_allocate_new_computed_blocks_seam(original.allocate_computed))
+    return tuple((owner, name, was, now)
+                 for (owner, name), was, now in zip(_shared_owners(), original, replacements))
 
 
 # --------------------------------------------------------------------------------------------------

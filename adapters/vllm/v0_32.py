@@ -31,16 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm.v1.core import kv_cache_coordinator as _coordinator_module
-from vllm.v1.core import kv_cache_manager as _manager_module
-from vllm.v1.core import single_type_kv_cache_manager as _single_type_module
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_coordinator import (
-    HybridKVCacheCoordinator,
-    KVCacheCoordinator,
-    UnitaryKVCacheCoordinator,
-)
-from vllm.v1.core.sched import scheduler as _scheduler_module
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 from kvhit.refimpl import VLLM_0_32
@@ -51,20 +42,9 @@ from . import engine
 # vLLM 0.32.0's originals
 # --------------------------------------------------------------------------------------------------
 
-_ORIGINAL_GET_COORDINATOR = _manager_module.get_kv_cache_coordinator
-_ORIGINAL_SCHEDULER_INIT = _scheduler_module.Scheduler.__dict__["__init__"]
-_ORIGINAL_UNITARY_FIND = UnitaryKVCacheCoordinator.__dict__["find_longest_cache_hit"]
-_ORIGINAL_HYBRID_FIND = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit"]
-_ORIGINAL_HYBRID_PER_GROUP = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit_per_group"]
-_ORIGINAL_CACHE_BLOCKS = KVCacheCoordinator.__dict__["cache_blocks"]
+ORIGINAL = engine.capture_originals()
+"""vLLM 0.32.0's originals of the attributes every release's seams replace, captured before any is."""
 _ORIGINAL_MANAGER_CACHE_BLOCKS = SingleTypeKVCacheManager.__dict__["cache_blocks"]
-_ORIGINAL_REPLAY_BOUNDARIES = _coordinator_module.replay_boundaries
-_ORIGINAL_MANAGER_CHECKPOINT = _single_type_module.get_mamba_prefill_checkpoint_position
-_ORIGINAL_SCHEDULER_CHECKPOINT = _scheduler_module.get_mamba_prefill_checkpoint_position
-_ORIGINAL_MAMBA_SPLIT = _scheduler_module.Scheduler.__dict__["_mamba_block_aligned_split"]
-_ORIGINAL_GET_NEW_BLOCKS = BlockPool.__dict__["get_new_blocks"]
-_ORIGINAL_TOUCH = BlockPool.__dict__["touch"]
-_ORIGINAL_ALLOCATE_COMPUTED = KVCacheCoordinator.__dict__["allocate_new_computed_blocks"]
 
 # --------------------------------------------------------------------------------------------------
 # What differs in this release
@@ -88,7 +68,7 @@ def stock_reachable_boundaries(coordinator: KVCacheCoordinator, manager, request
     ``manager.reachable_block_mask`` for ``request`` with shared-prefix boundaries ``junctions``: vLLM's
     ``replay_boundaries`` (as ``KVCacheCoordinator.cache_blocks`` computes them, ``use_eagle=
     bool(self.eagle_group_ids)``) and each junction; not the block below it (0.33's)."""
-    return [*_ORIGINAL_REPLAY_BOUNDARIES(request.num_prompt_tokens, coordinator.scheduler_block_size,
+    return [*ORIGINAL.replay_boundaries(request.num_prompt_tokens, coordinator.scheduler_block_size,
                                          bool(coordinator.eagle_group_ids)), *junctions]
 
 
@@ -155,47 +135,8 @@ def manager_cache_blocks(self: SingleTypeKVCacheManager, request, num_tokens: in
 # The replacements
 # --------------------------------------------------------------------------------------------------
 
-get_kv_cache_coordinator = engine.get_kv_cache_coordinator_seam(_ORIGINAL_GET_COORDINATOR, RELEASE)
-scheduler_init = engine.scheduler_init_seam(_ORIGINAL_SCHEDULER_INIT, scheduler_stock_reason)
-unitary_find_longest_cache_hit = engine.find_longest_cache_hit_seam(_ORIGINAL_UNITARY_FIND,
-                                                                    "UnitaryKVCacheCoordinator")
-hybrid_find_longest_cache_hit = engine.find_longest_cache_hit_seam(_ORIGINAL_HYBRID_FIND,
-                                                                   "HybridKVCacheCoordinator")
-hybrid_find_longest_cache_hit_per_group = engine.hybrid_find_longest_cache_hit_per_group_seam(
-    _ORIGINAL_HYBRID_PER_GROUP)
-coordinator_cache_blocks = engine.coordinator_cache_blocks_seam(_ORIGINAL_CACHE_BLOCKS)
-coordinator_replay_boundaries = engine.coordinator_replay_boundaries_seam(_ORIGINAL_REPLAY_BOUNDARIES)
-manager_checkpoint_position = _checkpoint_position(_ORIGINAL_MANAGER_CHECKPOINT)
-scheduler_checkpoint_position = _checkpoint_position(_ORIGINAL_SCHEDULER_CHECKPOINT)
-mamba_block_aligned_split = engine.mamba_block_aligned_split_seam(_ORIGINAL_MAMBA_SPLIT)
-block_pool_get_new_blocks = engine.block_pool_get_new_blocks_seam(_ORIGINAL_GET_NEW_BLOCKS)
-block_pool_touch = engine.block_pool_touch_seam(_ORIGINAL_TOUCH)
-coordinator_allocate_new_computed_blocks = engine.coordinator_allocate_new_computed_blocks_seam(
-    _ORIGINAL_ALLOCATE_COMPUTED)
-
-SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
-    (_manager_module, "get_kv_cache_coordinator", _ORIGINAL_GET_COORDINATOR, get_kv_cache_coordinator),
-    (_scheduler_module.Scheduler, "__init__", _ORIGINAL_SCHEDULER_INIT, scheduler_init),
-    (UnitaryKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_UNITARY_FIND,
-     unitary_find_longest_cache_hit),
-    (HybridKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_HYBRID_FIND,
-     hybrid_find_longest_cache_hit),
-    (HybridKVCacheCoordinator, "find_longest_cache_hit_per_group", _ORIGINAL_HYBRID_PER_GROUP,
-     hybrid_find_longest_cache_hit_per_group),
-    # The write side (enforce only, layouts with a WriteModel).
-    (KVCacheCoordinator, "cache_blocks", _ORIGINAL_CACHE_BLOCKS, coordinator_cache_blocks),
+SEAMS: tuple[tuple[object, str, object, Callable], ...] = engine.shared_seams(
+    ORIGINAL, RELEASE, scheduler_stock_reason, _checkpoint_position) + (
     (SingleTypeKVCacheManager, "cache_blocks", _ORIGINAL_MANAGER_CACHE_BLOCKS, manager_cache_blocks),
-    (_coordinator_module, "replay_boundaries", _ORIGINAL_REPLAY_BOUNDARIES, coordinator_replay_boundaries),
-    (_single_type_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_MANAGER_CHECKPOINT,
-     manager_checkpoint_position),
-    (_scheduler_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_SCHEDULER_CHECKPOINT,
-     scheduler_checkpoint_position),
-    (_scheduler_module.Scheduler, "_mamba_block_aligned_split", _ORIGINAL_MAMBA_SPLIT,
-     mamba_block_aligned_split),
-    # The eviction order (enforce only: EvictionTier).
-    (BlockPool, "get_new_blocks", _ORIGINAL_GET_NEW_BLOCKS, block_pool_get_new_blocks),
-    (BlockPool, "touch", _ORIGINAL_TOUCH, block_pool_touch),
-    (KVCacheCoordinator, "allocate_new_computed_blocks", _ORIGINAL_ALLOCATE_COMPUTED,
-     coordinator_allocate_new_computed_blocks),
 )
 """(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""

@@ -4,8 +4,10 @@ that release.
 
 Imported by :func:`kvhit.adapters.vllm.install` only after it checked that vLLM is 0.33.0 (the registry
 ``kvhit.adapters.vllm.RELEASES``); it imports the engine, which does everything that does not depend on
-the release. This module captures vLLM's originals, makes their replacements (most with the engine's
-``*_seam`` factories), lists them in :data:`SEAMS` and describes the release in :data:`RELEASE`.
+the release. This module captures vLLM's originals (:data:`ORIGINAL`, :func:`engine.capture_originals`),
+describes the release in :data:`RELEASE` and lists the seams in :data:`SEAMS`, made by the engine's
+factories (:func:`engine.shared_seams`) but for the Mamba checkpoint position, whose signature is this
+release's own.
 
 Seams (each restored by :func:`kvhit.adapters.vllm.uninstall`):
 
@@ -44,16 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm.v1.core import kv_cache_coordinator as _coordinator_module
-from vllm.v1.core import kv_cache_manager as _manager_module
-from vllm.v1.core import single_type_kv_cache_manager as _single_type_module
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_coordinator import (
-    HybridKVCacheCoordinator,
-    KVCacheCoordinator,
-    UnitaryKVCacheCoordinator,
-)
-from vllm.v1.core.sched import scheduler as _scheduler_module
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
 from kvhit.refimpl import VLLM_0_33
 
@@ -63,19 +56,8 @@ from . import engine
 # vLLM 0.33.0's originals
 # --------------------------------------------------------------------------------------------------
 
-_ORIGINAL_GET_COORDINATOR = _manager_module.get_kv_cache_coordinator
-_ORIGINAL_SCHEDULER_INIT = _scheduler_module.Scheduler.__dict__["__init__"]
-_ORIGINAL_UNITARY_FIND = UnitaryKVCacheCoordinator.__dict__["find_longest_cache_hit"]
-_ORIGINAL_HYBRID_FIND = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit"]
-_ORIGINAL_HYBRID_PER_GROUP = HybridKVCacheCoordinator.__dict__["find_longest_cache_hit_per_group"]
-_ORIGINAL_CACHE_BLOCKS = KVCacheCoordinator.__dict__["cache_blocks"]
-_ORIGINAL_REPLAY_BOUNDARIES = _coordinator_module.replay_boundaries
-_ORIGINAL_MANAGER_CHECKPOINT = _single_type_module.get_mamba_prefill_checkpoint_position
-_ORIGINAL_SCHEDULER_CHECKPOINT = _scheduler_module.get_mamba_prefill_checkpoint_position
-_ORIGINAL_MAMBA_SPLIT = _scheduler_module.Scheduler.__dict__["_mamba_block_aligned_split"]
-_ORIGINAL_GET_NEW_BLOCKS = BlockPool.__dict__["get_new_blocks"]
-_ORIGINAL_TOUCH = BlockPool.__dict__["touch"]
-_ORIGINAL_ALLOCATE_COMPUTED = KVCacheCoordinator.__dict__["allocate_new_computed_blocks"]
+ORIGINAL = engine.capture_originals()
+"""vLLM 0.33.0's originals of every attribute kvhit replaces, captured before any is replaced."""
 
 # --------------------------------------------------------------------------------------------------
 # What differs in this release
@@ -100,7 +82,7 @@ def stock_reachable_boundaries(coordinator: KVCacheCoordinator, manager, request
     ``replay_boundaries`` (as ``KVCacheCoordinator.cache_blocks`` computes them), each junction, and for a
     manager that drops the EAGLE block each junction less one block (a sibling that diverges right after
     the junction hits one block lower)."""
-    reachable = [*_ORIGINAL_REPLAY_BOUNDARIES(request.num_prompt_tokens, coordinator.scheduler_block_size,
+    reachable = [*ORIGINAL.replay_boundaries(request.num_prompt_tokens, coordinator.scheduler_block_size,
                                               bool(coordinator.drop_eagle_group_ids)), *junctions]
     if manager.use_eagle:
         reachable += [x - manager.block_size for x in junctions]
@@ -159,47 +141,6 @@ def _checkpoint_position(original: Callable) -> Callable:
 # The replacements
 # --------------------------------------------------------------------------------------------------
 
-get_kv_cache_coordinator = engine.get_kv_cache_coordinator_seam(_ORIGINAL_GET_COORDINATOR, RELEASE)
-scheduler_init = engine.scheduler_init_seam(_ORIGINAL_SCHEDULER_INIT, scheduler_stock_reason)
-unitary_find_longest_cache_hit = engine.find_longest_cache_hit_seam(_ORIGINAL_UNITARY_FIND,
-                                                                    "UnitaryKVCacheCoordinator")
-hybrid_find_longest_cache_hit = engine.find_longest_cache_hit_seam(_ORIGINAL_HYBRID_FIND,
-                                                                   "HybridKVCacheCoordinator")
-hybrid_find_longest_cache_hit_per_group = engine.hybrid_find_longest_cache_hit_per_group_seam(
-    _ORIGINAL_HYBRID_PER_GROUP)
-coordinator_cache_blocks = engine.coordinator_cache_blocks_seam(_ORIGINAL_CACHE_BLOCKS)
-coordinator_replay_boundaries = engine.coordinator_replay_boundaries_seam(_ORIGINAL_REPLAY_BOUNDARIES)
-manager_checkpoint_position = _checkpoint_position(_ORIGINAL_MANAGER_CHECKPOINT)
-scheduler_checkpoint_position = _checkpoint_position(_ORIGINAL_SCHEDULER_CHECKPOINT)
-mamba_block_aligned_split = engine.mamba_block_aligned_split_seam(_ORIGINAL_MAMBA_SPLIT)
-block_pool_get_new_blocks = engine.block_pool_get_new_blocks_seam(_ORIGINAL_GET_NEW_BLOCKS)
-block_pool_touch = engine.block_pool_touch_seam(_ORIGINAL_TOUCH)
-coordinator_allocate_new_computed_blocks = engine.coordinator_allocate_new_computed_blocks_seam(
-    _ORIGINAL_ALLOCATE_COMPUTED)
-
-SEAMS: tuple[tuple[object, str, object, Callable], ...] = (
-    (_manager_module, "get_kv_cache_coordinator", _ORIGINAL_GET_COORDINATOR, get_kv_cache_coordinator),
-    (_scheduler_module.Scheduler, "__init__", _ORIGINAL_SCHEDULER_INIT, scheduler_init),
-    (UnitaryKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_UNITARY_FIND,
-     unitary_find_longest_cache_hit),
-    (HybridKVCacheCoordinator, "find_longest_cache_hit", _ORIGINAL_HYBRID_FIND,
-     hybrid_find_longest_cache_hit),
-    (HybridKVCacheCoordinator, "find_longest_cache_hit_per_group", _ORIGINAL_HYBRID_PER_GROUP,
-     hybrid_find_longest_cache_hit_per_group),
-    # The write side (enforce only, layouts with a WriteModel).
-    (KVCacheCoordinator, "cache_blocks", _ORIGINAL_CACHE_BLOCKS, coordinator_cache_blocks),
-    (_coordinator_module, "replay_boundaries", _ORIGINAL_REPLAY_BOUNDARIES, coordinator_replay_boundaries),
-    (_single_type_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_MANAGER_CHECKPOINT,
-     manager_checkpoint_position),
-    (_scheduler_module, "get_mamba_prefill_checkpoint_position", _ORIGINAL_SCHEDULER_CHECKPOINT,
-     scheduler_checkpoint_position),
-    (_scheduler_module.Scheduler, "_mamba_block_aligned_split", _ORIGINAL_MAMBA_SPLIT,
-     mamba_block_aligned_split),
-    # The eviction order (enforce only, the block pools of modelled coordinators with sliding-window or
-    # Mamba groups: EvictionTier).
-    (BlockPool, "get_new_blocks", _ORIGINAL_GET_NEW_BLOCKS, block_pool_get_new_blocks),
-    (BlockPool, "touch", _ORIGINAL_TOUCH, block_pool_touch),
-    (KVCacheCoordinator, "allocate_new_computed_blocks", _ORIGINAL_ALLOCATE_COMPUTED,
-     coordinator_allocate_new_computed_blocks),
-)
+SEAMS: tuple[tuple[object, str, object, Callable], ...] = engine.shared_seams(
+    ORIGINAL, RELEASE, scheduler_stock_reason, _checkpoint_position)
 """(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""

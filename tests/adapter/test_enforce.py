@@ -15,7 +15,6 @@ import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
 from kvhit.adapters.vllm import engine, v0_33
 from tests.adapter.layouts import (
-    expected_reference_hit,
     expected_reference_lookup,
     harness_layout,
     refimpl_layout,
@@ -60,9 +59,9 @@ def _harness(name, dcp, n, mode, k=1, retention=0):
 
 def _stock(coordinator, block_hashes, max_length):
     """vLLM's own answer on the same coordinator and pool."""
-    if isinstance(coordinator, v0_33.HybridKVCacheCoordinator):
-        return v0_33._ORIGINAL_HYBRID_FIND(coordinator, block_hashes, max_length)
-    return v0_33._ORIGINAL_UNITARY_FIND(coordinator, block_hashes, max_length)
+    if isinstance(coordinator, engine.HybridKVCacheCoordinator):
+        return v0_33.ORIGINAL.hybrid_find(coordinator, block_hashes, max_length)
+    return v0_33.ORIGINAL.unitary_find(coordinator, block_hashes, max_length)
 
 
 def _ids(blocks):

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 import kvhit.adapters.vllm as kvhit_vllm
-from kvhit.adapters.vllm import engine, v0_33
+from kvhit.adapters.vllm import engine
 from tests.adapter.layouts import harness_layout
 from tests.conformance import vllm_harness
 from tests.conformance.vllm_harness import VllmHarness
@@ -38,7 +38,7 @@ def _serve(monkeypatch, layout: str, arguments: tuple) -> tuple[VllmHarness, lis
     harness = VllmHarness(harness_layout(layout), "lookahead", max_model_len=16384)
     hits = [harness.serve(PROMPT)["hit"], harness.serve(PROMPT)["hit"], harness.probe(PROMPT)["hit"]]
     coordinator = harness.manager.coordinator
-    if isinstance(coordinator, v0_33.HybridKVCacheCoordinator):
+    if isinstance(coordinator, engine.HybridKVCacheCoordinator):
         request = harness._new_request(PROMPT)
         hits += list(coordinator.find_longest_cache_hit_per_group(request.block_hashes, len(PROMPT) - 1)[1])
     return harness, hits

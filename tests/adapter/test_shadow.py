@@ -31,7 +31,7 @@ def test_shadow_keeps_vllms_hit_and_counts_the_divergence(kvhit_log):
 
     request = harness._new_request(tokens)
     blocks, hit, spb = harness.manager.get_computed_blocks(request)
-    stock = v0_33._ORIGINAL_UNITARY_FIND(harness.manager.coordinator, request.block_hashes, 1023)
+    stock = v0_33.ORIGINAL.unitary_find(harness.manager.coordinator, request.block_hashes, 1023)
     assert (hit, spb) == (992, 0)
     assert [[b.block_id for b in g] for g in blocks.blocks] == [[b.block_id for b in g] for g in stock[0]]
     assert _sample("kvhit_hit_divergences_total", labels) == before + 1

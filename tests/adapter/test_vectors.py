@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
@@ -74,7 +73,7 @@ def test_enforce_gives_the_reference_hit_on_every_pinned_counterexample_state(pa
     expected = R.hit(layout, spec, n, R.CacheState(lambda k, x: (k, x) in seeded), "reference")
     assert expected == record["hits"]["reference"]
     coordinator = harness.manager.coordinator
-    original = v0_33._ORIGINAL_UNITARY_FIND if sizes.unitary else v0_33._ORIGINAL_HYBRID_FIND
+    original = v0_33.ORIGINAL.unitary_find if sizes.unitary else v0_33.ORIGINAL.hybrid_find
 
     def lookup(find):
         try:

@@ -251,5 +251,5 @@ def test_a_kv_cache_manager_outside_a_scheduler_keeps_its_layout_enforced():
     request = harness._new_request(tokens)
     coordinator = harness.manager.coordinator
     capped = coordinator.find_longest_cache_hit(request.block_hashes, 5000)
-    stock = v0_33._ORIGINAL_HYBRID_FIND(coordinator, request.block_hashes, 5000)
+    stock = v0_33.ORIGINAL.hybrid_find(coordinator, request.block_hashes, 5000)
     assert capped[1] == stock[1] and capped[2] == stock[2]
