@@ -243,13 +243,18 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
 # constants, and neither wins everywhere: try the older simplex solver first, then the default one.
 # Each try is bounded by Z3's resource units (rlimit), never by the clock, so that a verdict does not depend
 # on how loaded the machine is. Calibrated on the default run: the simplex solver spends 15-60 million
-# units a second, the default one 2-15 million; the costliest check the simplex solver decides in the
-# default run takes 372 million (the costliest over both tries, a stream check, 682 million), and one that
-# the simplex solver decides in 60 million was sent to the default solver, for 395 s, by a first bound of
-# 40 million. The default solver's bound leaves room above the costliest check over both tries measured, the
-# dominance lemma on gemma in drop mode with MTP 2 (--extended; 1,792 million: 400 in the first try, 1,392
-# in the second).
-PORTFOLIO = ((2, 400_000_000), (6, 3_000_000_000))
+# units a second, the default one 2-15 million, so a check the simplex solver decides is cheaper there even
+# at many more units. A first bound too low sends it to the default solver: at 40 million one check the
+# simplex solver decides in 60 million took 395 s there; at 400 million the dominance lemma on gemma (drop,
+# MTP 2) took 1,792 million over both tries and over 100 s, where the simplex solver alone decides it in 904
+# million and 23 s, and the dominance claim on the EAGLE sliding window (no speculation, R = 0), which the
+# default solver did not decide in 18 minutes, the simplex solver decides in 1,334 million and 36 s. With a
+# first bound of 1.5 billion the default run's costliest check takes 998 million, and the run takes 327 s
+# on two idle cores with 599 s of checks, where the 400 million bound took 570 s with 1,048 s of checks for
+# fewer configurations (gemma's dominance lemma was --extended). The default solver stays the second try:
+# the simplex solver gives some checks up before its bound (the whole dominance claim on the EAGLE sliding
+# window in drop mode, --extended: unknown after 3.7 billion units of an 8 billion bound).
+PORTFOLIO = ((2, 1_500_000_000), (6, 3_000_000_000))
 
 
 def isolated_map(fn, items, jobs: int) -> list:

@@ -238,8 +238,11 @@ DOMINANCE_LEMMAS = (("vllm_0_33_cache_serves_nothing_the_policy_cache_does_not",
 
 INVARIANTS = (
     # Three requests under two policies' write sides. qwen3next: 2-23 s a configuration dense and at R = 0,
-    # up to 118 s at R = 3200; a sliding-window layout did not finish in 10 minutes (full64_swa64w200_eagle, no
-    # speculation, R = 0): those run with --extended. Under vllm_0_33_repaired (vLLM's per-kind lookups on
+    # up to 118 s at R = 3200 (under the old 400 M simplex bound of model.PORTFOLIO): those at R = 3200 and
+    # the sliding-window layouts run with --extended, and the default run composes them (DOMINANCE_LEMMAS).
+    # Whole, by hand under the 1.5 G bound: the EAGLE sliding window at R = 0 is PROVED without speculation
+    # and with lookahead L = 1 and 2 (1,334, 521 and 852 M units, 10-38 s), undecided in drop mode; gemma
+    # gave no verdict in 7 minutes. Under vllm_0_33_repaired (vLLM's per-kind lookups on
     # the two-layer caches) both stream claims, checked whole, are PROVED on the default run's qwen3next
     # configurations, in 165 s (dominance, 10 configurations, 3.4 G units) and 274 s (junction, 15, 4.6 G) on
     # 2 cores: --extended; the default run composes them (AS_THE_REFERENCE).
@@ -249,14 +252,13 @@ INVARIANTS = (
               policies=("reference",), extended_policies=("vllm_0_33_repaired",), by_lemma=AS_THE_REFERENCE,
               lemmas=DOMINANCE_LEMMAS),
     # The first lemma of that composition (the default run also checks it where the claim is checked whole,
-    # which cross-checks the two): 80-290 M units a qwen3next configuration (R = 3200 too), 120-1240 M on the
-    # EAGLE sliding window at R = 0, 380-1800 M on gemma at R = 0 (4.9 G and over 600 s of checks for its
-    # five settings, half the lemma's cost, which would take make test past its CI budget): gemma runs with
-    # --extended (each of its five settings PROVED by hand).
+    # which cross-checks the two): 6.5 G units and 129 s of checks over its 25 configurations, the costliest
+    # 998 M (gemma 346-904 M a setting, the EAGLE sliding window 135-562 M, decided by the simplex solver;
+    # under a 400 M first bound gemma's five took 4.9 G and over 600 s, mostly in the default solver).
     Invariant("vllm_0_33_cache_serves_nothing_the_policy_cache_does_not",
               vllm_0_33_cache_serves_nothing_the_policy_cache_does_not, "retention",
               applies=lambda config: config.write_side, refuted_by=("without_junction",), write_side=True,
-              heavy=lambda config: config.layout.name == "gemma", policies=("reference",)),
+              policies=("reference",)),
     # Three prompts of which two diverge: qwen3next 2-23 s a configuration under the reference (vllm_0_33
     # PROVED by hand in 21-34 s at R = 0, not in the default run); sliding-window layouts: --extended.
     Invariant("a_shared_prefix_is_kept_at_the_junction", a_shared_prefix_is_kept_at_the_junction, "retention",
