@@ -63,7 +63,7 @@ conformance-032: setup-vllm032 $(VENV_VLLM032)/.test-installed
 	CI=1 KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_032_SCENARIOS) KVHIT_WRITE_SCENARIOS=$(CONFORMANCE_032_WRITE_SCENARIOS) \
 	$(VENV_VLLM032)/bin/python -m pytest -q -p no:cacheprovider tests/conformance/test_hit_tokens_matches_vllm.py \
 		tests/conformance/test_write_side_matches_vllm.py tests/conformance/test_junction_below.py \
-		tests/conformance/test_adapter_on_0_32.py; rc=$$?; \
+		tests/conformance/test_adapter_on_0_32.py tests/conformance/test_upgrade_on_both_engines.py; rc=$$?; \
 	echo "conformance-032: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 venv: $(VENV)/.installed

@@ -28,11 +28,11 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from kvhit.spec.catalogue import CATALOGUE
-from kvhit.spec.domain import Mode
+from kvhit.spec.domain import Mode, Speculation
 from kvhit.spec.policy import ALL_POLICIES, VLLM_0_33, Rules
 from kvhit.spec.terms import and_, eq
 
@@ -44,17 +44,21 @@ READ = "read"
 FIRST_REPEAT = "first repeat"
 
 
-def _under(ctx, rules: Rules):
-    """``ctx`` (the same prompt, cache and symbols) seen under ``rules``: its sizes and hits are theirs."""
+def _under(ctx, rules: Rules, speculation: Speculation | None = None):
+    """``ctx`` (the same prompt, cache and symbols) seen under ``rules`` (and ``speculation``, if given,
+    instead of the configuration's): its sizes and hits are theirs."""
     view = copy.copy(ctx)
     view.rules = rules
+    if speculation is not None:
+        view.config = replace(ctx.config, speculation=speculation)
     return view
 
 
-def _hit(ctx, rules: Rules, cache):
-    """``(hit, converged)`` of ``rules`` on ``cache`` (the spec's ``hit_tokens`` under the policy's own
-    sizes), showing the hit and whether a lookup read past the request's hashes (IndexError in vLLM: F1)."""
-    view = _under(ctx, rules)
+def _hit(view, rules: Rules, cache, ctx=None):
+    """``(hit, converged)`` of ``rules`` on ``cache`` (the spec's ``hit_tokens`` under the sizes of
+    ``view``, a context :func:`_under` the policy), showing on ``ctx`` (default: ``view``) the hit and whether
+    a lookup read past the request's hashes (IndexError in vLLM: F1)."""
+    ctx = view if ctx is None else ctx
     sizes = view.sizes()
     hit, reach, _, converged = view.P.hit_tokens(cache, sizes, ctx.n, rules)
     ctx.show(f"hit {rules.name}", hit)
@@ -65,19 +69,21 @@ def _hit(ctx, rules: Rules, cache):
 def read_hits_agree(ctx, a: Rules, b: Rules):
     """For every prompt length N >= 1 and cache state: hit_A == hit_B (each policy's hit_tokens on the
     same cache, under its own sizes), wherever both hit computations converge."""
-    (hit_a, ok_a), (hit_b, ok_b) = (_hit(ctx, rules, ctx.cache) for rules in (a, b))
+    (hit_a, ok_a), (hit_b, ok_b) = (_hit(_under(ctx, rules), rules, ctx.cache, ctx) for rules in (a, b))
     return and_(ok_a, ok_b), eq(hit_a, hit_b)
 
 
-def first_repeat_hits_agree(ctx, a: Rules, b: Rules):
+def first_repeat_hits_agree(ctx, a: Rules, b: Rules, speculation_b: Speculation | None = None):
     """For every N, after one request with prompt N has run on an empty cache and been cached under each
     policy's own write side (retention interval R), a resend of the N tokens hits the same under A as
-    under B (hit_A(written_A(N)) == hit_B(written_B(N))), wherever both hit computations converge."""
+    under B (hit_A(written_A(N)) == hit_B(written_B(N))), wherever both hit computations converge; B in
+    ``speculation_b``'s mode if given (the same drafter served another way: an upgrade that moves an EAGLE
+    drafter from the drop to lookahead hashes)."""
     hits = []
-    for rules in (a, b):
-        view = _under(ctx, rules)
+    for rules, speculation in ((a, None), (b, speculation_b)):
+        view = _under(ctx, rules, speculation)
         written = view.written(view.P.request_writes(view.sizes(), ctx.n, ctx.config.retention, rules))
-        hits.append(_hit(ctx, rules, written))
+        hits.append(_hit(view, rules, written, ctx))
     (hit_a, ok_a), (hit_b, ok_b) = hits
     return and_(ok_a, ok_b), eq(hit_a, hit_b)
 
@@ -87,16 +93,27 @@ def _per_hit(rules: Rules, config: Config) -> int:
     return runs_needed(Invariant("one hit", read_hits_agree, "diff", witnesses=0), rules, config) - 1
 
 
-def agreement(a: Rules, b: Rules, config: Config) -> Invariant:
-    """The claim that ``a`` and ``b`` hit alike on ``config``, as an invariant checked under
-    :data:`VLLM_0_33`: the symbolic cache gets the runs both hits rely on (one per lookup place of each,
-    plus the leading run), counted as witnesses beyond the one hit the check's own rules size."""
+def agreement(a: Rules, b: Rules, config: Config, mode_b: Mode | None = None) -> Invariant:
+    """The claim that ``a`` and ``b`` hit alike on ``config`` (``b`` in ``mode_b`` if given: write side
+    only), as an invariant checked under :data:`VLLM_0_33`: the symbolic cache gets the runs both hits rely
+    on (one per lookup place of each, plus the leading run), counted as witnesses beyond the one hit the
+    check's own rules size."""
     if config.write_side:
+        speculation_b = None if mode_b is None else speculation_in(config, mode_b)
         return Invariant(f"first_repeat_hits_agree[{a.name},{b.name}]",
-                         partial(first_repeat_hits_agree, a=a, b=b), "diff", write_side=True, witnesses=0)
+                         partial(first_repeat_hits_agree, a=a, b=b, speculation_b=speculation_b), "diff",
+                         write_side=True, witnesses=0)
+    if mode_b is not None:
+        raise ValueError("another mode for B is compared on the write side only: on the read side the two "
+                         "modes' block hashes cover different tokens, so one cache state means two things")
     extra = max(0, _per_hit(a, config) + _per_hit(b, config) - _per_hit(VLLM_0_33, config))
     return Invariant(f"read_hits_agree[{a.name},{b.name}]", partial(read_hits_agree, a=a, b=b), "diff",
                      witnesses=extra)
+
+
+def speculation_in(config: Config, mode: Mode) -> Speculation:
+    """The configuration's drafter (its draft tokens and MTP modules) served in ``mode``."""
+    return replace(config.speculation, mode=mode, label="")
 
 
 def mode_of(config: Config) -> str:
@@ -110,13 +127,16 @@ def side_of(config: Config) -> str:
     return f"{FIRST_REPEAT} R={'dense' if config.retention is None else config.retention}"
 
 
-def domain(layouts=(), modes=()) -> list[Config]:
+def domain(layouts=(), modes=(), mode_b: Mode | None = None) -> list[Config]:
     """The configurations diffed: the default prove domain's on catalogue layouts (at every DCP size it has),
     speculation none, lookahead L = 1 and 2, drop (and, on the write side, drop with two MTP modules),
-    restricted to ``layouts`` (catalogue names) and ``modes`` (``none``, ``lookahead``, ``drop``) if given."""
+    restricted to ``layouts`` (catalogue names) and ``modes`` (``none``, ``lookahead``, ``drop``) if given;
+    with ``mode_b``, the write-side ones whose drafter A serves in the other EAGLE-family mode."""
     catalogue = set(CATALOGUE) - set(HEAVY)
     read = [c for c in read_configs() if c.speculation in SPECULATIONS]
     out = [c for c in read + write_configs() if c.layout.name in catalogue]
+    if mode_b is not None:
+        out = [c for c in out if c.write_side and c.speculation.mode not in (Mode.NONE, mode_b)]
     if layouts:
         out = [c for c in out if c.layout.name in layouts]
     if modes:
@@ -137,11 +157,13 @@ class Row:
     cache: dict | None = None
     cached_blocks: int | None = None
     past_hashes: tuple = ()  # the policies whose lookups read past the hashes there (IndexError in vLLM)
+    mode_b: str | None = None  # B's mode, where it is not the configuration's (``kvhit diff --b-mode``)
     seconds: float = 0.0
     rlimit: int = 0
 
     def as_json(self) -> dict:
         out = {"layout": self.config.layout.name, "dcp": self.config.layout.dcp, "mode": mode_of(self.config),
+               "mode_b": self.mode_b or mode_of(self.config),
                "side": READ if not self.config.write_side else FIRST_REPEAT,
                "retention": self.config.retention if self.config.write_side else None,
                "identical": self.identical, "seconds": round(self.seconds, 3), "rlimit": self.rlimit}
@@ -157,12 +179,14 @@ class Undecided(RuntimeError):
     that did not replay through refimpl, or an error of the spec on it."""
 
 
-def diff_one(a: Rules, b: Rules, config: Config) -> Row:
-    """Decide whether ``a`` and ``b`` can hit differently on ``config``; the least difference if so."""
+def diff_one(a: Rules, b: Rules, config: Config, mode_b: Mode | None = None) -> Row:
+    """Decide whether ``a`` and ``b`` (in ``mode_b`` if given) can hit differently on ``config``; the least
+    difference if so."""
     start, units = time.perf_counter(), _rlimit_count()
-    invariant = agreement(a, b, config)
+    invariant = agreement(a, b, config, mode_b)
     verdict, _, cex, _ = check(invariant, VLLM_0_33, config)
-    row = Row(config, verdict == "PROVED", (a.name, b.name))
+    row = Row(config, verdict == "PROVED", (a.name, b.name),
+              mode_b=None if mode_b is None else speculation_in(config, mode_b).describe())
     if verdict not in ("PROVED", "REFUTED"):
         raise Undecided(f"{config.label}: {verdict} (within the resource limits of proofs/model.py::PORTFOLIO) "
                         f"{cex or ''}")
@@ -187,17 +211,18 @@ _WORK: dict = {}  # what the forked workers read: the two policies and the confi
 
 
 def _diff_task(index):
-    a, b, configs = _WORK["task"]
+    a, b, configs, mode_b = _WORK["task"]
     try:
-        return index, diff_one(a, b, configs[index]), None
+        return index, diff_one(a, b, configs[index], mode_b), None
     except Exception as exc:  # reported by the parent, with the configuration
         return index, None, f"{configs[index].label}: {type(exc).__name__}: {exc}"
 
 
-def diff(a: Rules, b: Rules, configs: list[Config], jobs: int | None = None) -> list[Row]:
-    """Every configuration's :class:`Row`, each decided in a process of its own (so its checks' resource
-    counts do not depend on what else ran: :func:`kvhit.proofs.model.isolated_map`)."""
-    _WORK["task"] = (a, b, configs)
+def diff(a: Rules, b: Rules, configs: list[Config], jobs: int | None = None, mode_b: Mode | None = None) -> list[Row]:
+    """Every configuration's :class:`Row` (``b`` in ``mode_b`` if given), each decided in a process of its
+    own (so its checks' resource counts do not depend on what else ran:
+    :func:`kvhit.proofs.model.isolated_map`)."""
+    _WORK["task"] = (a, b, configs, mode_b)
     try:
         done = isolated_map(_diff_task, list(range(len(configs))), jobs or min(os.cpu_count() or 1, 4))
     finally:
@@ -219,10 +244,12 @@ def _cache_text(row: Row) -> str:
 
 def table(rows: list[Row]) -> str:
     a, b = rows[0].policies if rows else ("A", "B")
-    lines = [f"{'layout':18} {'mode':20} {'side':20} {'N':>9} {a:>18} {b:>18}  cache", "-" * 130]
-    for r in rows:
+    modes = [mode_of(r.config) + (f" -> {r.mode_b.split()[0]}" if r.mode_b else "") for r in rows]
+    width = max([20, *map(len, modes)])
+    lines = [f"{'layout':18} {'mode':{width}} {'side':20} {'N':>9} {a:>18} {b:>18}  cache", "-" * 130]
+    for r, mode in zip(rows, modes):
         layout = r.config.layout.name + (f" dcp{r.config.layout.dcp}" if r.config.layout.dcp > 1 else "")
-        head = f"{layout:18} {mode_of(r.config):20} {side_of(r.config):20}"
+        head = f"{layout:18} {mode:{width}} {side_of(r.config):20}"
         if r.identical:
             lines.append(f"{head} {'identical':>9}")
         else:
@@ -244,6 +271,10 @@ def main(argv=None) -> int:
                         help="only this catalogue layout, at every DCP size of the domain (repeatable)")
     parser.add_argument("--mode", action="append", default=[], choices=[m.value for m in Mode],
                         help="only this speculative mode (repeatable)")
+    parser.add_argument("--b-mode", choices=[Mode.LOOKAHEAD.value, Mode.DROP.value], default=None,
+                        help="POLICY_B serves each EAGLE drafter in this mode, POLICY_A in the other one (the "
+                        "same draft tokens and MTP modules; first repeats only): e.g. an upgrade from vLLM "
+                        "0.32's drop to 0.33's lookahead hashes")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPUs, at most 4)")
     args = parser.parse_args(argv)
@@ -255,20 +286,29 @@ def main(argv=None) -> int:
     if bad:
         parser.error(f"layout {', '.join(bad)} not in the diffed domain (the catalogue layouts of the default "
                      f"prove domain; proofs/domains.py::HEAVY are --extended only): {', '.join(sorted(every))}")
-    configs = domain(args.layout, args.mode)
+    mode_b = None if args.b_mode is None else Mode(args.b_mode)
+    configs = domain(args.layout, args.mode, mode_b)
     policies = (ALL_POLICIES[args.policy_a], ALL_POLICIES[args.policy_b])
+
+    def settings(c):  # each policy's configuration
+        return ((policies[0], c), (policies[1], c if mode_b is None else replace(
+            c, speculation=speculation_in(c, mode_b))))
+
     # a policy without lookahead block hashes (vllm_0_32) has no lookahead mode to compare in
-    left = [c for c in configs if not all(accepts(p, c) for p in policies)]
+    left = [c for c in configs if not all(accepts(p, pc) for p, pc in settings(c))]
     if left:
         configs = [c for c in configs if c not in left]
-        without = [p.name for p in policies if not all(accepts(p, c) for c in left)]
+        without = sorted({p.name for c in left for p, pc in settings(c) if not accepts(p, pc)})
+        hint = "compare --mode drop" if mode_b is None else "serve it the drop: --b-mode " + (
+            "drop" if policies[1].name in without else "lookahead")
         print(f"kvhit diff: {len(left)} lookahead configurations left out: {', '.join(without)} has no "
-              "lookahead block hashes (its engine drops; compare --mode drop)", file=sys.stderr)
+              f"lookahead block hashes (its engine drops; {hint})", file=sys.stderr)
     if not configs:
-        parser.error("no configuration of the domain matches --layout and --mode")
+        parser.error("no configuration of the domain matches --layout, --mode and --b-mode" if mode_b else
+                     "no configuration of the domain matches --layout and --mode")
     start = time.perf_counter()
     try:
-        rows = diff(ALL_POLICIES[args.policy_a], ALL_POLICIES[args.policy_b], configs, args.jobs)
+        rows = diff(*policies, configs, args.jobs, mode_b)
     except Undecided as exc:
         print(f"kvhit diff: error: {exc}", file=sys.stderr)
         return 1
