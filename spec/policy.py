@@ -202,7 +202,8 @@ POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPA
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
                                  PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END,
                                  RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
-# Policies of other vLLM releases: named and replayable (``policy_rules``), not yet in ``make prove``.
+# Policies of other vLLM releases: named and replayable (``policy_rules``); ``make prove`` checks every claim
+# about every policy for them on the settings their engine has (``kvhit.proofs.model.accepts``).
 RELEASES = {r.name: r for r in (VLLM_0_32,)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD, **RELEASES}
 

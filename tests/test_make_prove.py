@@ -55,6 +55,24 @@ def test_the_repaired_policy_is_proved_everywhere_and_every_vllm_refutation_is_a
                                          in d["configs"]), d
 
 
+def test_vllm_0_32_shares_every_finding_of_0_33_that_needs_no_lookahead_hashes(prove):
+    """vLLM 0.32.0 has no lookahead block hashes: its rows cover only the other settings, F1 (reads past the
+    hashes with L >= 2) and W3 (a resend below N - 1 with lookahead) cannot occur, and the findings of 0.33's
+    read and write side elsewhere (F2, F5, F6; W1, W2, W4) are refuted on exactly the configurations
+    vllm_0_33's are."""
+    rows = {(r["invariant"], r["policy"]): r for r in prove["verdicts"]}
+    ours = {inv: r for (inv, policy), r in rows.items() if policy == "vllm_0_32"}
+    assert set(ours) == {inv for inv, policy in rows if policy == "vllm_0_33"}
+    for inv, r in ours.items():
+        refuted = {c["config"] for c in r["refuted_configs"]}
+        theirs = {c["config"] for c in rows[(inv, "vllm_0_33")]["refuted_configs"]}
+        assert refuted == {c for c in theirs if "lookahead" not in c}, inv
+        assert r["configs"] < rows[(inv, "vllm_0_33")]["configs"] or "@" in inv, inv
+    for inv in ("hit_is_aligned_and_capped", "lookup_stays_within_hashes", "hit_is_valid_in_every_group"):
+        assert (ours[inv]["verdict"], rows[(inv, "vllm_0_33")]["verdict"]) == ("PROVED", "REFUTED")  # F1
+    assert ours["scheduler_and_mask_boundaries_agree@dsv4_report_46240_retention0"]["verdict"] == "REFUTED"  # W4
+
+
 def test_docs_findings_lists_exactly_the_defects_of_the_table(prove):
     """docs/findings.md has one section per defect (``## F1: ...``, ``## W: ...``), no more, no fewer."""
     documented = set(re.findall(r"^## (F\d+|W\d*):", FINDINGS.read_text(), flags=re.M))
