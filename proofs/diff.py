@@ -286,6 +286,8 @@ def main(argv=None) -> int:
     if bad:
         parser.error(f"layout {', '.join(bad)} not in the diffed domain (the catalogue layouts of the default "
                      f"prove domain; proofs/domains.py::HEAVY are --extended only): {', '.join(sorted(every))}")
+    if args.b_mode is not None and args.policy_a == args.policy_b:
+        parser.error("--b-mode needs two different policies: the rows name each hit by its policy")
     mode_b = None if args.b_mode is None else Mode(args.b_mode)
     configs = domain(args.layout, args.mode, mode_b)
     policies = (ALL_POLICIES[args.policy_a], ALL_POLICIES[args.policy_b])

@@ -50,6 +50,12 @@ def test_a_policy_without_lookahead_hashes_is_compared_without_the_lookahead_mod
     assert "8 lookahead configurations left out: vllm_0_32 has no lookahead block hashes" in out.err
 
 
+def test_another_mode_for_one_policy_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        kvhit(["diff", "vllm_0_33", "vllm_0_33", "--b-mode", "lookahead"])
+    assert "--b-mode needs two different policies" in capsys.readouterr().err
+
+
 def test_an_unknown_policy_is_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         kvhit(["diff", "vllm_0_33", "vllm_0_31"])
