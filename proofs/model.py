@@ -245,9 +245,9 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
 # on how loaded the machine is. Calibrated on the default run: the simplex solver spends 15-60 million
 # units a second, the default one 2-15 million, so a check the simplex solver decides is cheaper there even
 # at many more units. A first bound too low sends it to the default solver: at 40 million one check the
-# simplex solver decides in 60 million took 395 s there; at 400 million the dominance lemma on gemma (drop,
-# MTP 2) took 1,792 million over both tries and over 100 s, where the simplex solver alone decides it in 904
-# million and 23 s, and the dominance claim on the EAGLE sliding window (no speculation, R = 0), which the
+# simplex solver decides in 60 million took 395 s there; at 400 million the dominance lemma on gemma took
+# 4.9 billion over its five settings and about 590 s of checks (drop, MTP 2: 1,792 million over both tries),
+# where the simplex solver alone decides them in 2.9 billion and 71 s (drop, MTP 2: 904 million, 23 s), and the dominance claim on the EAGLE sliding window (no speculation, R = 0), which the
 # default solver did not decide in 18 minutes, the simplex solver decides in 1,334 million and 36 s. With a
 # first bound of 1.5 billion the default run's costliest check takes 998 million, and the run takes 327 s
 # on two idle cores with 599 s of checks, where the 400 million bound took 570 s with 1,048 s of checks for
