@@ -247,8 +247,9 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
 # at many more units. A first bound too low sends it to the default solver: at 40 million one check the
 # simplex solver decides in 60 million took 395 s there; at 400 million the dominance lemma on gemma took
 # 4.9 billion over its five settings and about 590 s of checks (drop, MTP 2: 1,792 million over both tries),
-# where the simplex solver alone decides them in 2.9 billion and 71 s (drop, MTP 2: 904 million, 23 s), and the dominance claim on the EAGLE sliding window (no speculation, R = 0), which the
-# default solver did not decide in 18 minutes, the simplex solver decides in 1,334 million and 36 s. With a
+# where the simplex solver alone decides them in 2.9 billion and 71 s (drop, MTP 2: 904 million, 23 s);
+# the dominance claim on the EAGLE sliding window (no speculation, R = 0), which the default solver did not
+# decide in 18 minutes, the simplex solver decides in 1,334 million and 36 s. With a
 # first bound of 1.5 billion the default run's costliest check takes 998 million, and the run takes 327 s
 # on two idle cores with 599 s of checks, where the 400 million bound took 570 s with 1,048 s of checks for
 # fewer configurations (gemma's dominance lemma was --extended). The default solver stays the second try:
