@@ -1014,6 +1014,24 @@ _scheduler_stock: contextvars.ContextVar[str | None] = contextvars.ContextVar("k
                                                                               default=None)
 
 
+def config_stock_reason(vllm_config, aux_outputs: str) -> str | None:
+    """Why a scheduler built from ``vllm_config`` leaves its whole layout to vLLM, or None: a KV connector
+    (``kv_transfer_config``; the scheduler builds it before its KV cache manager: the tokens it loads past
+    the local hit and ``get_computed_blocks_for_connector``'s per-group lookup are not modelled), or
+    auxiliary outputs (``aux_output_config.enabled``), with ``aux_outputs`` the release's reason for them.
+    A config it cannot read is a reason too (never less than stock). Never raises."""
+    try:
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
+                    "per-group local lookup are not modelled")
+        aux = getattr(vllm_config, "aux_output_config", None)
+        if aux is not None and aux.enabled:
+            return f"the scheduler has auxiliary outputs (aux_output_config): {aux_outputs}"
+    except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
+        return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
+    return None
+
+
 def scheduler_init_seam(original: Callable, stock_reason: Callable[[object], str | None]) -> Callable:
     """``Scheduler.__init__`` (``original``), with ``stock_reason(vllm_config)`` (why a scheduler built from
     that config leaves its whole layout to vLLM, or None; it never raises) known to

@@ -82,19 +82,9 @@ def scheduler_stock_reason(vllm_config) -> str | None:
       routed-experts rows it replays for a cached prefix come from a worker-side store kvhit has not read
       against a hit longer than stock's; left to vLLM until it has (never less than stock).
 
-    A config it cannot read is a reason too. Never raises.
+    A config it cannot read is a reason too. Never raises (:func:`engine.config_stock_reason`).
     """
-    try:
-        if getattr(vllm_config, "kv_transfer_config", None) is not None:
-            return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
-                    "per-group local lookup are not modelled")
-        aux = getattr(vllm_config, "aux_output_config", None)
-        if aux is not None and aux.enabled:
-            return ("the scheduler has auxiliary outputs (aux_output_config): their rows for a cached prefix "
-                    "are not modelled on vLLM 0.32")
-    except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
-        return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
-    return None
+    return engine.config_stock_reason(vllm_config, "their rows for a cached prefix are not modelled on vLLM 0.32")
 
 
 RELEASE = engine.Release(

@@ -98,19 +98,11 @@ def scheduler_stock_reason(vllm_config) -> str | None:
     * Auxiliary outputs (``aux_output_config.enabled``): ``AuxOutputSchedulerConnector.max_cache_hit``
       caps lookups below ``N - 1``; the spec models only ``N - 1``.
 
-    A config it cannot read is a reason too (never less than stock). Never raises.
+    A config it cannot read is a reason too (never less than stock). Never raises
+    (:func:`engine.config_stock_reason`).
     """
-    try:
-        if getattr(vllm_config, "kv_transfer_config", None) is not None:
-            return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
-                    "per-group local lookup are not modelled")
-        aux = getattr(vllm_config, "aux_output_config", None)
-        if aux is not None and aux.enabled:
-            return ("the scheduler has auxiliary outputs (aux_output_config): their connector caps lookups "
-                    "below N - 1 (max_cache_hit); the spec models only N - 1")
-    except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
-        return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
-    return None
+    return engine.config_stock_reason(vllm_config, "their connector caps lookups below N - 1 (max_cache_hit); "
+                                                   "the spec models only N - 1")
 
 
 RELEASE = engine.Release(
