@@ -73,19 +73,20 @@ setup: $(VENV)/.vllm-installed
 prove: venv
 	$(VENV)/bin/kvhit prove --findings
 
-# Each stage (unit, vLLM's own tests, end to end, vLLM 0.32.0's conformance) runs even when an earlier one failed, so that one red stage
-# does not hide another; the exit code is non-zero if any failed. The unit run is derandomized (CI=1 loads
-# tests/conftest.py's "ci" hypothesis profile) so that `make test` draws the same examples everywhere and a red
-# run is reproducible: a random draw with a local example database once took over 15 minutes in one write-side
-# test (tests/properties/test_write_side.py) whose derandomized run takes 31 s. `pytest` alone draws at random.
+# Each stage (unit, vLLM's own tests, end to end, vLLM 0.32.0's conformance) runs even when an earlier one
+# failed, so that one red stage does not hide another; the exit code is non-zero if any failed. The unit run
+# is derandomized (CI=1 loads tests/conftest.py's "ci" hypothesis profile) so that `make test` draws the same
+# examples everywhere and a red run is reproducible: a random draw with a local example database once took
+# over 15 minutes in one write-side test (tests/properties/test_write_side.py) whose derandomized run takes
+# 31 s. `pytest` alone draws at random.
 # The unit run uses both cores (pytest-xdist, one test file per worker at a time): tests/test_make_prove.py
 # (the whole `kvhit prove --findings`, put first by tests/conftest.py) on one, the other files beside it. Its
 # verdicts and resource counts do not depend on the load (Z3 resource limits, a fresh process per chunk).
 UNIT_JOBS ?= 2
 
 test: setup
-	CI=$${CI:-1} $(PY) -m pytest -q -n $(UNIT_JOBS) --dist loadfile; rc=$$?; $(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; \
-	$(MAKE) conformance-032 || rc=1; exit $$rc
+	CI=$${CI:-1} $(PY) -m pytest -q -n $(UNIT_JOBS) --dist loadfile; rc=$$?; \
+	$(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; $(MAKE) conformance-032 || rc=1; exit $$rc
 
 # vLLM 0.33.0's own tests of the KV cache manager and the scheduler (from its sdist, fetched once through pip's
 # index into KVHIT_WHEEL_CACHE), once per mode: stock (kvhit not loaded), off, shadow, enforce; fails when off

@@ -12,7 +12,11 @@ block's hash covers the ``Lp`` tokens past it (a shorter prompt has no hash for 
 block: 1600.
 """
 
+import contextlib
+import io
 import json
+
+import pytest
 
 from kvhit.cli import main as kvhit
 from kvhit.refimpl import Speculation
@@ -28,23 +32,25 @@ DRAFTERS = {"drop Lp=1": (1, False), "drop Lp=2 mtp2": (2, True)}
 ENGINE = {"0.33.0": ("vllm_0_33", "lookahead"), "0.32.0": ("vllm_0_32", "drop")}[VLLM_VERSION]
 
 
-def _upgrade_rows(capsys) -> list[dict]:
-    assert kvhit(["diff", "vllm_0_32", "vllm_0_33", "--b-mode", "lookahead", "--layout", "qwen3next",
-                  "--json", "--jobs", "1"]) == 0
-    return [r for r in json.loads(capsys.readouterr().out) if r["retention"] == 0]
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    """The R = 0 rows the command prints (run once for both tests)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert kvhit(["diff", "vllm_0_32", "vllm_0_33", "--b-mode", "lookahead", "--layout", "qwen3next",
+                      "--json", "--jobs", "1"]) == 0
+    return [r for r in json.loads(out.getvalue()) if r["retention"] == 0]
 
 
-def test_the_upgrade_rows_are_the_hand_derived_ones(capsys):
-    rows = _upgrade_rows(capsys)
+def test_the_upgrade_rows_are_the_hand_derived_ones(rows):
     assert {r["mode"]: (r["mode_b"], r["identical"], r["N"], r["hits"]) for r in rows} == {
         "drop Lp=1": ("lookahead Lp=1", False, 1601, {"vllm_0_32": 0, "vllm_0_33": 1600}),
         "drop Lp=2 mtp2": ("lookahead Lp=2 mtp2", False, 1602, {"vllm_0_32": 0, "vllm_0_33": 1600}),
     }
 
 
-def test_each_upgrade_row_is_what_this_engine_hits(capsys):
+def test_each_upgrade_row_is_what_this_engine_hits(rows):
     policy, mode = ENGINE
-    rows = _upgrade_rows(capsys)
     assert rows
     for row in rows:
         tokens, mtp = DRAFTERS[row["mode"]]
