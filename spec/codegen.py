@@ -6,6 +6,10 @@ Python source its :data:`kvhit.spec.terms.OPERATORS` entry gives (``ite(c, a, b)
 modules are written one after another into a single module with the same function names and docstrings.
 Nothing of the generator, of the term language or of Z3 is needed to run the result.
 
+It also writes ``refimpl/staging.py``, the staged lowering (:mod:`kvhit.spec.stage`) as a module of the
+refimpl, so that the vLLM adapter's serving process imports nothing of ours but ``kvhit.refimpl``
+(:func:`generate_staging`).
+
     python -m kvhit.spec.codegen            # write refimpl/
     python -m kvhit.spec.codegen --check    # exit 1 if refimpl/ differs from what the spec generates
 """
@@ -63,9 +67,150 @@ def _lower_module(name: str) -> tuple[str, str]:
     return doc, ast.unparse(module)
 
 
+# The staged lowering and the operators it executes the spec with (:func:`generate_staging`).
+STAGING_MODULES = ("terms", "stage")
+STAGING_ROOT = "stage_hit_tokens"
+
+
+def _top_level_names(stmt: ast.stmt) -> list[str]:
+    if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+        return [stmt.name]
+    if isinstance(stmt, ast.Assign):
+        return [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+        return [stmt.target.id]
+    return []
+
+
+def _spec_module(name: str):
+    """``(docstring, statements, own definitions by name, imported names -> (module, name), stdlib imports)``
+    of ``spec/<name>.py``."""
+    tree = ast.parse((SPEC_DIR / f"{name}.py").read_text())
+    body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+    own, imported, stdlib, stmts = {}, {}, [], []
+    for stmt in body:
+        if isinstance(stmt, ast.ImportFrom) and stmt.level == 1:
+            for alias in stmt.names:
+                if alias.asname:
+                    raise ValueError(f"spec/{name}.py imports {alias.name} as {alias.asname}: the generated "
+                                     "modules share one namespace, so spec modules import names as they are")
+                # `from . import runtime` names a module; `from .x import y` a definition of x
+                imported[alias.name] = (alias.name, None) if stmt.module is None else (stmt.module, alias.name)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            if not (isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"):
+                stdlib.append(ast.unparse(stmt))
+        else:
+            stmts.append(stmt)
+            for n in _top_level_names(stmt):
+                own[n] = stmt
+    return ast.get_docstring(tree) or "", stmts, own, imported, stdlib
+
+
+def _names_used(stmt: ast.stmt) -> set[str]:
+    return {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def generate_staging() -> str:
+    """``refimpl/staging.py``: :mod:`kvhit.spec.stage` and what it runs, for the adapter's serving process.
+
+    The staged lowering executes the spec's functions on staged values, so it needs them as the spec
+    writes them (each operator a call of :mod:`kvhit.spec.terms`, which dispatches to the lowering in
+    force), not as ``refimpl/policy.py`` has them (each operator replaced by its Python source, which
+    cannot take a staged value). The module is, in this order: ``terms`` and ``stage`` whole (their
+    imports of spec modules dropped), then every function of the policy modules that
+    :func:`kvhit.spec.stage.stage_hit_tokens` reaches, copied as the spec writes it. The policy modules'
+    classes and constants (``Sizes``, ``Rules``, ``REFERENCE``, ...) are imported from ``.policy`` rather
+    than copied: the staged functions run on the refimpl's own domain values, and the engine passes them
+    no others. ``runtime`` is ``.policy`` too (codegen copies it there as it is). Every name keeps the
+    spec's (spec modules import names unrenamed, and the generator refuses two definitions of one name).
+    """
+    modules = {name: _spec_module(name) for name in STAGING_MODULES + SOURCES}
+    emitted: dict[str, tuple[str, ast.stmt]] = {}  # name -> (module, definition)
+    stdlib: list[str] = []
+    sections = []
+
+    def define(name: str, module: str, stmt: ast.stmt) -> None:
+        if name in emitted and emitted[name] != (module, stmt):
+            raise ValueError(f"{name} is defined by spec/{emitted[name][0]}.py and spec/{module}.py: the staged "
+                             "module would have one of them")
+        emitted[name] = (module, stmt)
+
+    for name in STAGING_MODULES:
+        doc, stmts, own, _, imports = modules[name]
+        stdlib += imports
+        for n, stmt in own.items():
+            define(n, name, stmt)
+        sections.append((name, doc, stmts))
+    from_policy: set[str] = set()
+    wanted: list[tuple[str, str]] = [("stage", STAGING_ROOT)]
+    reached: dict[str, list[ast.stmt]] = {name: [] for name in SOURCES}
+    seen: set[tuple[str, str]] = set()
+    while wanted:
+        module, name = wanted.pop()
+        if (module, name) in seen:
+            continue
+        seen.add((module, name))
+        _, _, own, imported, imports = modules[module]
+        for used in sorted(_names_used(own[name])):
+            if used in own:
+                target = (module, used)
+            elif used in imported:
+                target = imported[used]
+            else:
+                continue  # a builtin, a local or a parameter
+            where, what = target
+            if what is None:  # a module: runtime, copied into .policy as it is
+                if where != "runtime":
+                    raise ValueError(f"spec/{module}.py imports the module {where}; only runtime is supported")
+                continue
+            if where in STAGING_MODULES:
+                wanted.append(target)
+                continue
+            stmt = modules[where][2][what]
+            if isinstance(stmt, ast.FunctionDef) and where != "runtime":
+                if stmt not in reached[where]:
+                    define(what, where, stmt)
+                    reached[where].append(stmt)
+                    stdlib += modules[where][4]
+                wanted.append(target)
+            else:
+                from_policy.add(what)  # a class, a constant or a runtime helper: the refimpl's own
+    clash = from_policy & set(emitted)
+    if clash:
+        raise ValueError(f"{', '.join(sorted(clash))}: both copied and imported from .policy")
+    for name in SOURCES:
+        order = {id(s): i for i, s in enumerate(modules[name][1])}
+        stmts = sorted(reached[name], key=lambda s: order[id(s)])
+        if stmts:
+            sections.append((name, f"The functions of spec/{name}.py the staged hit reaches, as the spec writes "
+                                   "them.", stmts))
+    rule = "# " + "-" * 98
+    parts = []
+    for name, doc, stmts in sections:
+        comment = "\n".join(f"# {line}".rstrip() for line in doc.splitlines())
+        module = ast.Module(body=list(stmts), type_ignores=[])
+        parts.append(f"{rule}\n# spec/{name}.py\n{comment}\n{rule}\n\n{ast.unparse(module)}\n")
+    imports = ["from __future__ import annotations", *dict.fromkeys(stdlib),
+               "from . import policy as runtime",
+               f"from .policy import {', '.join(sorted(from_policy))}"]
+    body = "\n".join(imports) + "\n\n\n" + "\n\n".join(parts)
+    header = (
+        f'"""kvhit\'s staged lowering, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). '
+        f"DO NOT EDIT.\n\n"
+        f"spec/stage.py's stage_hit_tokens and what it runs (spec/terms.py, spec/stage.py and the functions of\n"
+        f"{', '.join(f'spec/{n}.py' for n in SOURCES if n != 'runtime')} it reaches), copied as the spec\n"
+        f"writes them, on the domain types of refimpl/policy.py; see kvhit.spec.codegen.generate_staging.\n"
+        f"Z3 is imported only if a Z3 term is built, which nothing here does.\n"
+        f"spec-sha256: {spec_digest()}\n"
+        f"output-sha256: {hashlib.sha256(body.encode()).hexdigest()}\n"
+        f'"""\n\n'
+    )
+    return header + body
+
+
 def spec_digest() -> str:
     h = hashlib.sha256()
-    for name in ("terms",) + SOURCES:
+    for name in ("terms", "stage") + SOURCES:
         h.update((SPEC_DIR / f"{name}.py").read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
@@ -96,7 +241,7 @@ def generate() -> dict[str, str]:
         "                     SpecGroup, Speculation, as_cache, derive_sizes, hit, hit_tokens, policy_rules,\n"
         "                     sizes_for)\n"
     )
-    return {"policy.py": header + body, "__init__.py": init}
+    return {"policy.py": header + body, "__init__.py": init, "staging.py": generate_staging()}
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,10 @@ import itertools
 from typing import Any, Callable
 
 from . import runtime
+from .api import policy_rules
 from .cache import scan_last_held
+from .policy import hit_tokens
+from .sizes import derive_sizes
 from .terms import OPERATORS, Lowering, SpecError, SymbolicBranchError, active, installed
 
 
@@ -331,20 +334,15 @@ N = object()  # stands for the prompt length in stage()'s arguments
 def stage_hit_tokens(layout, speculation, policy: str = "reference") -> tuple[str, Callable]:
     """:func:`kvhit.spec.policy.hit_tokens` of one layout and speculative setting under a policy, staged:
     ``(source, hit)`` where ``hit(n_tokens, cache)`` is ``refimpl.hit_tokens(cache, sizes, n_tokens, rules)``
-    for that layout's sizes and the policy's rules. ``layout`` and ``speculation`` are the spec's domain
-    types or the refimpl's (converted by :func:`kvhit.convert.to_spec`).
+    for that layout's sizes and the policy's rules. ``layout`` and ``speculation`` are the domain types of
+    the module that runs it: the spec's here, the refimpl's in ``kvhit.refimpl.staging`` (this function, as
+    codegen copies it: what the adapter stages with).
 
     Raises:
         SpecError: the policy's hit cannot be staged (vLLM's fixed-point loop branches on the cache: only
             policies whose hit is one scan stage, ``reference`` among them); ValueError: the spec rejects
             the layout.
     """
-    from kvhit.convert import to_spec
-
-    from .api import policy_rules
-    from .policy import hit_tokens
-    from .sizes import derive_sizes
-
     rules = policy_rules(policy)
-    sizes = derive_sizes(to_spec(layout), to_spec(speculation), rules.scale_replicated)
+    sizes = derive_sizes(layout, speculation, rules.scale_replicated)
     return stage(hit_tokens, sizes, N, rules, name="hit_tokens")

@@ -9,9 +9,12 @@ The replacements installed into vLLM are made here from the originals a version 
 (``*_seam`` factories); each version module (``v0_32``, ``v0_33``: vLLM 0.32.0, 0.33.0) holds those
 captures, its ``SEAMS`` table, what differs in its release (a :class:`Release`) and the seams whose
 signature or behaviour is its own. This
-module imports only vLLM names that are the same in every supported release; of kvhit it imports the
-generated ``kvhit.refimpl`` and the spec's staged lowering (``kvhit.spec.stage``), which specialises the
-reference hit to the layout once, when the coordinator is built. It is imported only after
+module imports only vLLM names that are the same in every supported release; of kvhit it imports only
+the generated ``kvhit.refimpl``, with its staged lowering (``kvhit.refimpl.staging``, the spec's
+``kvhit.spec.stage`` as codegen copies it), which specialises the reference hit to the layout once, when
+the coordinator is built (the real-Scheduler runs of ``tests/adapter/test_scheduler_plugin.py`` and
+``tests/conformance/test_adapter_on_0_32.py`` check that no ``kvhit.spec``, no ``kvhit.proofs`` and no z3
+are imported). It is imported only after
 :func:`kvhit.adapters.vllm.install` checked the vLLM version.
 
 An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_length = N - 1``)::
@@ -94,8 +97,7 @@ from kvhit.refimpl import (
     replay_boundaries,
 )
 
-from kvhit.spec.stage import stage_hit_tokens
-from kvhit.spec.terms import SpecError
+from kvhit.refimpl.staging import SpecError, stage_hit_tokens
 
 from . import log_once, logger
 
@@ -550,7 +552,7 @@ class PoolCache(CacheState):
 
 def reference_hit_tokens(layout: Layout, speculation: Speculation) -> Callable:
     """``refimpl.hit_tokens`` under the reference policy for one layout, as a function of ``(N, cache)``:
-    the spec's ``hit_tokens`` staged for the layout (``kvhit.spec.stage``: the layout's branches taken
+    the spec's ``hit_tokens`` staged for the layout (``kvhit.refimpl.staging``: the layout's branches taken
     once, when the coordinator is built, leaving what depends on the request; the same operator table the
     refimpl is generated with; ``tests/properties/test_staged.py`` checks it against ``refimpl``). The
     generic ``refimpl.hit_tokens`` costs a lookup several microseconds of Python per call that the staged

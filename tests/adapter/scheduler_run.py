@@ -25,8 +25,8 @@ Writes one JSON document: per scenario the KV-cache groups the planner made, the
 resolved, each served request's ``num_cached_tokens`` (``EngineCoreOutput.prefill_stats``, what the API
 reports as ``cached_tokens``) with the hash boundaries the block pool held for its prompt just before it
 was added, a trace of every ``SchedulerOutput`` and ``EngineCoreOutput``, and with ``KVHIT_STATUS_FILE`` set
-the status file kvhit wrote when the scenario's scheduler was built (``kvhit_status``); and kvhit's counters
-in the process (``kvhit_counters``).
+the status file kvhit wrote when the scenario's scheduler was built (``kvhit_status``); kvhit's counters
+in the process (``kvhit_counters``); and the modules of kvhit and z3 the process imported (``modules``).
 """
 
 from __future__ import annotations
@@ -577,6 +577,8 @@ def main(argv=None) -> None:
         write_models(args.models_dir)
     result = {"scenarios": {name: run_scenario(name, args.models_dir) for name in args.scenario or SCENARIOS}}
     result["kvhit_imported"] = "kvhit.adapters.vllm" in sys.modules
+    # kvhit's and z3's modules this serving process imported (the adapter may import only kvhit.refimpl)
+    result["modules"] = sorted(m for m in sys.modules if m.split(".")[0] in ("kvhit", "z3"))
     if result["kvhit_imported"]:
         import kvhit.adapters.vllm as kvhit_vllm
 

@@ -127,6 +127,21 @@ def test_vllms_plugin_loader_installs_kvhit_as_kvhit_mode_says(runs):
     assert len([line for line in enforce[1] if "mode enforce on vLLM 0.33.0: replaced" in line]) == 1
 
 
+def test_the_serving_process_imports_only_the_refimpl_and_the_adapter_of_kvhit(runs):
+    """Every run that loads the plugin, enforce included (the reference hit staged for each layout the
+    scheduler built), imports of kvhit only the package, the generated ``kvhit.refimpl`` and the adapter: no
+    ``kvhit.spec``, no ``kvhit.proofs``, no z3."""
+    assert runs["stock"][0]["modules"] == []
+    for name, (result, _) in runs.items():
+        if name == "stock":
+            continue
+        assert "kvhit.adapters.vllm" in result["modules"], name
+        if result.get("kvhit_mode") == "enforce":
+            assert "kvhit.refimpl.staging" in result["modules"], name
+        assert [m for m in result["modules"] if m != "kvhit"
+                and not m.startswith(("kvhit.refimpl", "kvhit.adapters"))] == [], name
+
+
 @pytest.mark.parametrize("scenario", list(EXPECTED_SETUP))
 def test_the_scheduler_is_built_with_the_layout_and_speculation_the_expectations_use(runs, scenario):
     """vLLM's planner grouped the layers as declared, and the scheduler resolved the speculative sizes

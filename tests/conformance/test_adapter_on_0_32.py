@@ -112,6 +112,11 @@ def _hit_on_retained(scenario, served, policy):
 
 def test_vllm_0_32s_plugin_loader_installs_kvhit_as_kvhit_mode_says(runs):
     assert not runs["stock"][0]["kvhit_imported"] and not runs["stock"][1]
+    assert runs["stock"][0]["modules"] == []
+    for mode in ("off", "shadow", "enforce"):  # of kvhit, only the package, the refimpl and the adapter
+        assert [m for m in runs[mode][0]["modules"] if m != "kvhit"
+                and not m.startswith(("kvhit.refimpl", "kvhit.adapters"))] == [], mode
+    assert "kvhit.refimpl.staging" in runs["enforce"][0]["modules"]
     assert runs["off"][0]["kvhit_mode"] == "off" and not runs["off"][1]
     for mode in ("shadow", "enforce"):
         result, lines = runs[mode]

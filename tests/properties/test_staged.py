@@ -1,6 +1,10 @@
-"""The staged lowering (kvhit.spec.stage) computes what the refimpl computes: the same hit, reach, longest
-and convergence, asking the cache no boundary the refimpl does not ask, for every policy it stages, on random
-layouts, catalogue layouts, prompts and cache states; and it refuses what it cannot stage."""
+"""The staged lowering computes what the refimpl computes: the same hit, reach, longest and convergence,
+asking the cache no boundary the refimpl does not ask, for every policy it stages, on random layouts,
+catalogue layouts, prompts and cache states; and it refuses what it cannot stage.
+
+The hits are staged by ``kvhit.refimpl.staging`` (what the adapter stages with: ``kvhit.spec.stage`` as codegen
+copies it, on the refimpl's domain types; ``tests/unit/test_codegen.py`` checks that both stage the same
+source); the operators' own tests run ``kvhit.spec.stage`` on the spec's operators."""
 
 from dataclasses import replace
 
@@ -10,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvhit import refimpl
 from kvhit.convert import to_refimpl
+from kvhit.refimpl import staging
 from kvhit.spec import stage
 from kvhit.spec.catalogue import CATALOGUE
 from kvhit.spec.terms import SpecError, SymbolicBranchError, and_, ite, max_aligned, min_
@@ -37,13 +42,13 @@ def _check(layout, speculation, n, sets, policy):
     sizes = refimpl.derive_sizes(layout, speculation, rules.scale_replicated)
     if sizes.hash_lookahead and not rules.lookahead_hashes:  # vllm_0_32 has no lookahead mode: both refuse
         with pytest.raises(ValueError, match="no lookahead block hashes"):
-            stage.stage_hit_tokens(layout, speculation, policy)
+            staging.stage_hit_tokens(layout, speculation, policy)
         with pytest.raises(ValueError, match="no lookahead block hashes"):
             refimpl.hit_tokens(_Recording(sets), sizes, n, rules)
         return None
     try:
-        source, staged = stage.stage_hit_tokens(layout, speculation, policy)
-    except SymbolicBranchError:
+        source, staged = staging.stage_hit_tokens(layout, speculation, policy)
+    except staging.SymbolicBranchError:
         # vLLM's fixed-point loop over more than two groups branches on the cache (see below); the
         # reference's one scan never does
         assert not rules.declarative and not refimpl.is_simple(sizes), (policy, layout, speculation)
@@ -101,18 +106,18 @@ def test_the_check_sees_a_wrong_window():
     n = 64 * 12 + 1
     sets = [set(range(64, 64 * 13, 64)), set(range(32, 32 * 30, 32)) - {32 * 9}]  # block 8 of SWA missing
     want = refimpl.hit_tokens(refimpl.CacheState.from_sets(sets), sizes, n, refimpl.REFERENCE)
-    original = stage.StagedCache.window
+    original = staging.StagedCache.window
 
     def short(self, k, x, unit, before, after):
         return original(self, k, x, unit, before - 1, after)
 
-    stage.StagedCache.window = short
+    staging.StagedCache.window = short
     try:
-        _, staged = stage.stage_hit_tokens(layout, speculation)
+        _, staged = staging.stage_hit_tokens(layout, speculation)
     finally:
-        stage.StagedCache.window = original
+        staging.StagedCache.window = original
     assert staged(n, refimpl.CacheState.from_sets(sets)) != want
-    _, staged = stage.stage_hit_tokens(layout, speculation)
+    _, staged = staging.stage_hit_tokens(layout, speculation)
     assert staged(n, refimpl.CacheState.from_sets(sets)) == want
 
 
@@ -122,8 +127,8 @@ def test_vllms_fixed_point_loop_stages_only_when_it_is_one_pass():
     and one other group), where vLLM makes one pass."""
     three = refimpl.Layout((refimpl.Group("full", 16), refimpl.Group("mamba", 16),
                             refimpl.Group("swa", 16, window=32)), name="three")
-    with pytest.raises(SymbolicBranchError):
-        stage.stage_hit_tokens(three, refimpl.Speculation("drop", 1), "vllm_0_33")
+    with pytest.raises(staging.SymbolicBranchError):
+        staging.stage_hit_tokens(three, refimpl.Speculation("drop", 1), "vllm_0_33")
     simple = refimpl.Layout((refimpl.Group("full", 16), refimpl.Group("mamba", 16)), name="simple")
     sets = [set(range(16, 16 * 9, 16)), {16 * 3, 16 * 5}]
     # full attention holds 8 blocks, then drops one (112); the Mamba finder then takes its last state at

@@ -34,3 +34,43 @@ def test_refimpl_header_names_its_sources_and_hashes():
     text = (codegen.SPEC_DIR.parent / "refimpl" / "policy.py").read_text()
     assert "DO NOT EDIT" in text.splitlines()[0]
     assert f"spec-sha256: {codegen.spec_digest()}" in text
+
+
+def test_the_generated_staging_stages_what_the_spec_stages():
+    """``kvhit.refimpl.staging`` (what the adapter stages with) and ``kvhit.spec.stage`` write the same
+    function for every catalogue layout, speculative setting and policy, or refuse it with the same error."""
+    from kvhit import refimpl
+    from kvhit.convert import to_refimpl, to_spec
+    from kvhit.refimpl import staging
+    from kvhit.spec import stage
+    from kvhit.spec.catalogue import CATALOGUE
+
+    def staged(module, layout, speculation, policy):
+        try:
+            return module.stage_hit_tokens(layout, speculation, policy)[0]
+        except Exception as e:  # noqa: BLE001 - the refusal is compared, by its class name and message
+            return f"{type(e).__name__}: {e}"
+
+    settings = [refimpl.Speculation("none"), refimpl.Speculation("drop", 1), refimpl.Speculation("drop", 2, True),
+                refimpl.Speculation("lookahead", 1), refimpl.Speculation("lookahead", 2)]
+    outcomes = set()
+    for layout in CATALOGUE.values():
+        for speculation in settings:
+            for policy in sorted(refimpl.ALL_POLICIES):
+                want = staged(stage, layout, to_spec(speculation), policy)
+                got = staged(staging, to_refimpl(layout), speculation, policy)
+                assert got == want, (layout.name, speculation, policy)
+                outcomes.add(want.startswith("def hit_tokens"))
+    assert outcomes == {True, False}  # both functions and refusals were compared
+
+
+def test_the_staging_module_imports_neither_z3_nor_the_spec():
+    code = ("import sys, kvhit.refimpl as r, kvhit.refimpl.staging as s; "
+            "_, f = s.stage_hit_tokens(r.Layout((r.Group('full', 16), r.Group('mamba', 16))), r.Speculation('drop', 1)); "
+            "assert f(100, r.CacheState.from_sets([{16, 32, 48}, {48}])) == r.hit_tokens("
+            "r.CacheState.from_sets([{16, 32, 48}, {48}]), r.derive_sizes(r.Layout((r.Group('full', 16), "
+            "r.Group('mamba', 16))), r.Speculation('drop', 1)), 100, r.REFERENCE); "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'z3' or m.startswith(('kvhit.spec', 'kvhit.proofs'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
