@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup setup-vllm032 conformance-032 gen check-gen venv dist conformance conformance-long bench soak e2e e2e-032 vllm-tests vllm-tests-long clean
+.PHONY: prove test setup setup-vllm032 conformance-032 gen check-gen venv dist conformance conformance-long conformance-long-032 bench soak e2e e2e-032 vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,12 @@ conformance-032: setup-vllm032 $(VENV_VLLM032)/.test-installed
 		tests/conformance/test_write_side_matches_vllm.py tests/conformance/test_junction_below.py \
 		tests/conformance/test_adapter_on_0_32.py tests/conformance/test_upgrade_on_both_engines.py; rc=$$?; \
 	echo "conformance-032: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# vLLM 0.32.0's long run: the two differential suites against 0.32.0's classes at the long run's sizes.
+conformance-long-032: setup-vllm032 $(VENV_VLLM032)/.test-installed
+	KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_LONG_SCENARIOS) KVHIT_WRITE_SCENARIOS=$(CONFORMANCE_LONG_WRITE_SCENARIOS) \
+	$(VENV_VLLM032)/bin/python -m pytest -q -p no:cacheprovider tests/conformance/test_hit_tokens_matches_vllm.py \
+		tests/conformance/test_write_side_matches_vllm.py
 
 venv: $(VENV)/.installed
 
