@@ -4,8 +4,8 @@ spec/stage.py's stage_hit_tokens and what it runs (spec/terms.py, spec/stage.py 
 spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py it reaches), copied as the spec
 writes them, on the domain types of refimpl/policy.py; see kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: df3b359ac88d587a7bf4608a1d258b8a3dee65c47b7f016d8e39101c226d4971
-output-sha256: ec40e33716323aa459ba4d8474fcbad3eae8b8140bc0ca5662a5ad35daece67b
+spec-sha256: 92ebc477525f0e123796518d7c9f20bc61b5888b59827be9a15c37e22b209867
+output-sha256: 2dc03a9a5212d4fb81f6c7536f4cd0628074879276ea02f46db3ffa36f61c4d3
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from . import policy as runtime
-from .policy import ALL_POLICIES, Group, Kind, Layout, Rules, Sizes, SpecGroup, Speculation
+from .policy import ALL_POLICIES, Group, Kind, Layout, Rules, Sizes, SpecGroup, Speculation, check_speculation, effective_block, fine_grained_capable, is_simple, max_cache_hit_length, partial_hash_hits_enabled, pass_bound, policy_rules, prefix_groups
 
 
 # --------------------------------------------------------------------------------------------------
@@ -698,40 +698,8 @@ def stage_hit_tokens(layout, speculation, policy: str='reference') -> tuple[str,
 
 # --------------------------------------------------------------------------------------------------
 # spec/sizes.py
-# The functions of spec/sizes.py the staged hit reaches, as the spec writes them.
+# The functions of spec/sizes.py the staged hit reaches that name an operator (or call one that does), as the spec writes them.
 # --------------------------------------------------------------------------------------------------
-
-def effective_block(group: Group, dcp: int, scale_replicated: bool=False) -> int:
-    """A group's block in tokens across DCP ranks.
-
-    vLLM: ``SingleTypeKVCacheManager.__init__`` (``block_size * dcp if spec.dcp_sharded``) and
-    ``resolve_dcp_kv_block_size``. Only sharded groups scale; replicated draft groups and Mamba do not.
-    ``scale_replicated`` is the known-bad variant that scales every group.
-    """
-    if group.dcp_sharded or scale_replicated:
-        return group.block_size * dcp
-    return group.block_size
-
-def fine_grained_capable(kind: Kind) -> bool:
-    """Whether the kind's manager can look up at hash granularity (vLLM
-    ``supports_fine_grained_hash_lookup``: full attention and Mamba)."""
-    return kind in (Kind.FULL, Kind.MAMBA)
-
-def partial_hash_hits_enabled(layout: Layout, blocks, h: int) -> bool:
-    """vLLM: ``partial_hash_hits_enabled``: some Mamba group's block exceeds the hash unit (or equals it
-    under DCP > 1, where the full-attention block scales instead), and every group either looks up at
-    hash granularity or has a block equal to the hash unit."""
-    mamba_wants_it = False
-    for g in layout.groups:
-        if g.kind is Kind.MAMBA:
-            if layout.dcp == 1 and g.block_size > h or (layout.dcp > 1 and g.block_size >= h):
-                mamba_wants_it = True
-    if not mamba_wants_it:
-        return False
-    for g, b in zip(layout.groups, blocks):
-        if not fine_grained_capable(g.kind) and b != h:
-            return False
-    return True
 
 def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: bool=False) -> Sizes:
     """All derived sizes of a layout, validated.
@@ -800,7 +768,7 @@ def hash_reach(sizes: Sizes, n_tokens):
 
 # --------------------------------------------------------------------------------------------------
 # spec/cache.py
-# The functions of spec/cache.py the staged hit reaches, as the spec writes them.
+# The functions of spec/cache.py the staged hit reaches that name an operator (or call one that does), as the spec writes them.
 # --------------------------------------------------------------------------------------------------
 
 def scan_last_held(cache, k, step, lo, hi, unit, before, after):
@@ -813,25 +781,8 @@ def scan_last_held(cache, k, step, lo, hi, unit, before, after):
 
 # --------------------------------------------------------------------------------------------------
 # spec/policy.py
-# The functions of spec/policy.py the staged hit reaches, as the spec writes them.
+# The functions of spec/policy.py the staged hit reaches that name an operator (or call one that does), as the spec writes them.
 # --------------------------------------------------------------------------------------------------
-
-def check_speculation(sizes: Sizes, rules: Rules):
-    """Refuse a speculative setting the policy's engine does not have: lookahead block hashes
-    (``L > 0``) under a policy without them (``lookahead_hashes``; vLLM 0.32 has no
-    ``num_hash_lookahead_tokens``, its EAGLE-family drafters drop).
-
-    Raises:
-        ValueError: naming the policy and the setting.
-    """
-    if sizes.hash_lookahead > 0 and (not rules.lookahead_hashes):
-        raise ValueError(f"policy {rules.name} has no lookahead block hashes (L = {sizes.hash_lookahead}): its engine drops the EAGLE block instead; use mode 'drop'")
-
-def max_cache_hit_length(n_tokens, rules: Rules):
-    """The most a hit may be: ``N - 1`` (vLLM ``KVCacheManager.get_computed_blocks``)."""
-    if rules.last_token_recomputed:
-        return n_tokens - 1
-    return n_tokens
 
 def full_attention_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``FullAttentionManager.find_longest_cache_hit``.
@@ -993,16 +944,6 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
         reach = max_(reach, r)
     return (c, tuple(verified), tuple(lengths), longest, reach)
 
-def is_simple(sizes: Sizes) -> bool:
-    """Two spec groups led by full attention: vLLM stops after one pass (its ``simple`` case)."""
-    return len(sizes.groups) == 2 and sizes.groups[0].kind is Kind.FULL
-
-def pass_bound(sizes: Sizes) -> int:
-    """How many passes the Z3 lowering unrolls (Python loops until the fixed point)."""
-    if is_simple(sizes):
-        return 1
-    return len(sizes.groups) + 1
-
 def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     """vLLM: ``HybridKVCacheCoordinator.find_longest_cache_hit``: passes of :func:`hybrid_pass` from
     ``M = N - 1`` until a pass no longer lowers the candidate, or after one pass when the layout is two
@@ -1099,13 +1040,6 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
             top = min_(top, extents[k])
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, covered, rules))
 
-def prefix_groups(sizes: Sizes) -> tuple:
-    """The spec groups whose cache says how far a prompt is shared with what was cached before it: the
-    full-attention groups (they keep every block, so their cached prefix is the shared prefix), or, in a
-    layout without one, the first spec group (the one vLLM's loop looks up first)."""
-    full = tuple((k for k, sg in enumerate(sizes.groups) if sg.kind is Kind.FULL))
-    return full or (0,)
-
 def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """How far the request shares a servable prefix with the cache: the longest multiple of ``A`` at most
     ``bound`` that every group of :func:`prefix_groups` serves (0 if none), whatever the other groups
@@ -1157,15 +1091,3 @@ def hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     if sizes.unitary:
         return unitary_hit_tokens(cache, sizes, n_tokens, rules)
     return hybrid_hit_tokens(cache, sizes, n_tokens, rules)
-
-
-# --------------------------------------------------------------------------------------------------
-# spec/api.py
-# The functions of spec/api.py the staged hit reaches, as the spec writes them.
-# --------------------------------------------------------------------------------------------------
-
-def policy_rules(policy):
-    """The rules of a policy given by name (``reference``, ``vllm_0_33``, ``historical``, ...)."""
-    if policy not in ALL_POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(sorted(ALL_POLICIES))}")
-    return ALL_POLICIES[policy]

@@ -118,10 +118,11 @@ def generate_staging() -> str:
     force), not as ``refimpl/policy.py`` has them (each operator replaced by its Python source, which
     cannot take a staged value). The module is, in this order: ``terms`` and ``stage`` whole (their
     imports of spec modules dropped), then every function of the policy modules that
-    :func:`kvhit.spec.stage.stage_hit_tokens` reaches, copied as the spec writes it. The policy modules'
-    classes and constants (``Sizes``, ``Rules``, ``REFERENCE``, ...) are imported from ``.policy`` rather
-    than copied: the staged functions run on the refimpl's own domain values, and the engine passes them
-    no others. ``runtime`` is ``.policy`` too (codegen copies it there as it is). Every name keeps the
+    :func:`kvhit.spec.stage.stage_hit_tokens` reaches and that names an operator or calls such a function,
+    copied as the spec writes it. The other functions it reaches (``derive_sizes``, ``policy_rules``, ...)
+    are the same code in ``refimpl/policy.py``, and the policy modules' classes and constants (``Sizes``,
+    ``Rules``, ``REFERENCE``, ...) are its too: they are imported from ``.policy``, so the staged functions
+    run on the refimpl's own domain values (the engine passes them no others). ``runtime`` is ``.policy`` too (codegen copies it there as it is). Every name keeps the
     spec's (spec modules import names unrenamed, and the generator refuses two definitions of one name).
     """
     modules = {name: _spec_module(name) for name in STAGING_MODULES + SOURCES}
@@ -141,16 +142,20 @@ def generate_staging() -> str:
         for n, stmt in own.items():
             define(n, name, stmt)
         sections.append((name, doc, stmts))
+    # The spec functions the staged hit reaches, each with the ones it calls and whether it names anything
+    # of terms or stage (an operator, the lowering in force) itself.
     from_policy: set[str] = set()
+    calls: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    lowered: set[tuple[str, str]] = set()
     wanted: list[tuple[str, str]] = [("stage", STAGING_ROOT)]
-    reached: dict[str, list[ast.stmt]] = {name: [] for name in SOURCES}
     seen: set[tuple[str, str]] = set()
     while wanted:
-        module, name = wanted.pop()
-        if (module, name) in seen:
+        key = wanted.pop()
+        if key in seen:
             continue
-        seen.add((module, name))
-        _, _, own, imported, imports = modules[module]
+        seen.add(key)
+        module, name = key
+        _, _, own, imported, _ = modules[module]
         for used in sorted(_names_used(own[name])):
             if used in own:
                 target = (module, used)
@@ -164,26 +169,35 @@ def generate_staging() -> str:
                     raise ValueError(f"spec/{module}.py imports the module {where}; only runtime is supported")
                 continue
             if where in STAGING_MODULES:
+                lowered.add(key)
                 wanted.append(target)
-                continue
-            stmt = modules[where][2][what]
-            if isinstance(stmt, ast.FunctionDef) and where != "runtime":
-                if stmt not in reached[where]:
-                    define(what, where, stmt)
-                    reached[where].append(stmt)
-                    stdlib += modules[where][4]
+            elif isinstance(modules[where][2][what], ast.FunctionDef) and where != "runtime":
+                calls.setdefault(key, set()).add(target)
                 wanted.append(target)
             else:
                 from_policy.add(what)  # a class, a constant or a runtime helper: the refimpl's own
+    # A spec function must run as the spec writes it when it names terms or stage, or calls one that must;
+    # any other is the same code in refimpl/policy.py (codegen changes only operator calls) and comes from there.
+    copied = {key for key in seen if key[0] in SOURCES} & lowered
+    while True:
+        more = {key for key, callees in calls.items() if key[0] in SOURCES and callees & copied} - copied
+        if not more:
+            break
+        copied |= more
+    for module, name in seen:
+        if module in SOURCES and (module, name) not in copied:
+            from_policy.add(name)
+    for module, name in copied:
+        define(name, module, modules[module][2][name])
     clash = from_policy & set(emitted)
     if clash:
         raise ValueError(f"{', '.join(sorted(clash))}: both copied and imported from .policy")
     for name in SOURCES:
-        order = {id(s): i for i, s in enumerate(modules[name][1])}
-        stmts = sorted(reached[name], key=lambda s: order[id(s)])
+        stmts = [s for s in modules[name][1] if any((name, n) in copied for n in _top_level_names(s))]
         if stmts:
-            sections.append((name, f"The functions of spec/{name}.py the staged hit reaches, as the spec writes "
-                                   "them.", stmts))
+            stdlib += modules[name][4]
+            sections.append((name, f"The functions of spec/{name}.py the staged hit reaches that name an operator "
+                                   "(or call one that does), as the spec writes them.", stmts))
     rule = "# " + "-" * 98
     parts = []
     for name, doc, stmts in sections:
