@@ -5,6 +5,8 @@ Writes OUT_DIR/target (LlamaForCausalLM, hidden 128, 2 layers, 4 heads x 32, voc
 WordLevel tokenizer with ids 0..511) and OUT_DIR/draft (EAGLE-1 head: 1 decoder layer + fc,
 weights named as vLLM's EagleLlamaForCausalLM.load_weights expects: "layers.0.*", "fc.weight";
 embed_tokens/lm_head are omitted so vLLM shares the target's). Deterministic (fixed seeds).
+``make_granite`` writes a tiny GraniteMoeHybrid (Mamba-2 + attention, the Granite 4.0-H architecture) for
+the hybrid end-to-end test on vLLM 0.32.0 (test_granite_serve.py).
 """
 import json
 import os
@@ -39,6 +41,31 @@ def make_target(path):
     torch.manual_seed(1234)
     cfg = LlamaConfig(num_hidden_layers=2, **COMMON)
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(path)
+
+
+def make_granite(path):
+    """A tiny random GraniteMoeHybridForCausalLM: layers mamba, attention, mamba, attention (hidden 128,
+    4 attention heads of 32, 2 KV heads, 4 Mamba heads of 64, state 16), no experts (a shared MLP only),
+    tied embeddings, vocab 512, fp32. The weights are drawn at 0.05 so that greedy outputs vary."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(1234)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, shared_intermediate_size=256,
+        num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"], num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=0, num_experts_per_tok=0, mamba_n_heads=4, mamba_d_head=64,
+        mamba_expand=2, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=256,
+        mamba_conv_bias=True, mamba_proj_bias=False, max_position_embeddings=2048,
+        position_embedding_type="nope", rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    model = GraniteMoeHybridForCausalLM(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4321)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     model.save_pretrained(path, safe_serialization=True)
     make_tokenizer(path)
 

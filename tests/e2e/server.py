@@ -64,6 +64,7 @@ class Run:
     start_s: float = 0.0
     first: dict[int, Reply] = dataclasses.field(default_factory=dict)
     repeat: dict[int, Reply] = dataclasses.field(default_factory=dict)
+    stream: list[tuple[str, Reply]] = dataclasses.field(default_factory=list)  # (request name, reply) in order
     metrics: str = ""
     kvhit_status: dict[str, subprocess.CompletedProcess] = dataclasses.field(default_factory=dict)
     error: str | None = None
@@ -171,14 +172,38 @@ def stop(proc: subprocess.Popen) -> None:
 
 def serve_and_query(models: str, spec_mode: str, kvhit_mode: str, lengths: list[int], out_dir: str,
                     health_timeout: float, extra_env: dict[str, str] | None = None) -> Run:
-    """Start a server, send each prompt twice (greedy), stop the server. Errors are kept in ``Run.error``."""
+    """Start the EAGLE server, send each prompt twice (greedy), stop the server. Errors are kept in
+    ``Run.error``."""
+
+    def command(port):
+        return serve_command(os.path.join(models, "target"), os.path.join(models, "draft"), port, spec_mode)
+
+    def query(client, run):
+        for n in lengths:
+            for seen in (run.first, run.repeat):
+                seen[n] = complete(client, "tiny", prompt_ids(n))
+
+    return run_server(spec_mode, kvhit_mode, command, query, out_dir, health_timeout, extra_env)
+
+
+def complete(client, model: str, ids: list[int]) -> Reply:
+    """One greedy completion of ``MAX_TOKENS`` tokens, with what the server reported of the prompt."""
+    r = client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    details = r.usage.prompt_tokens_details
+    return Reply(r.usage.prompt_tokens, None if details is None else details.cached_tokens, r.choices[0].text)
+
+
+def run_server(setting: str, kvhit_mode: str, command, query, out_dir: str, health_timeout: float,
+               extra_env: dict[str, str] | None = None) -> Run:
+    """Start the server ``command(port)`` starts, wait for it, ``query(openai_client, run)``, read its
+    /metrics and ``kvhit status``, and always stop its process group. Errors are kept in ``Run.error``."""
     from openai import OpenAI
 
-    name = f"{spec_mode}-{kvhit_mode}"
-    run = Run(spec_mode, kvhit_mode, os.path.join(out_dir, f"server-{name}.log"),
+    name = f"{setting}-{kvhit_mode}"
+    run = Run(setting, kvhit_mode, os.path.join(out_dir, f"server-{name}.log"),
               os.path.join(out_dir, f"kvhit-status-{name}.json"))
     port = free_port()
-    cmd = serve_command(os.path.join(models, "target"), os.path.join(models, "draft"), port, spec_mode)
+    cmd = command(port)
     with open(run.log_path, "w") as log:
         log.write(f"# KVHIT_MODE={kvhit_mode} {' '.join(cmd)}\n")
         log.flush()
@@ -188,13 +213,7 @@ def serve_and_query(models: str, spec_mode: str, kvhit_mode: str, lengths: list[
             run.start_s = wait_healthy(proc, port, health_timeout)
             client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", timeout=300,
                             max_retries=0)
-            for n in lengths:
-                for seen in (run.first, run.repeat):
-                    r = client.completions.create(model="tiny", prompt=prompt_ids(n), max_tokens=MAX_TOKENS,
-                                                  temperature=0)
-                    details = r.usage.prompt_tokens_details
-                    seen[n] = Reply(r.usage.prompt_tokens, None if details is None else details.cached_tokens,
-                                    r.choices[0].text)
+            query(client, run)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 run.metrics = r.read().decode()
             run.kvhit_status = kvhit_status(f"http://127.0.0.1:{port}", run.status_path)
