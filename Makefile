@@ -43,8 +43,9 @@ $(VENV_VLLM032)/.installed: requirements/vllm-032-cpu.txt
 
 setup-vllm032: $(VENV_VLLM032)/.installed
 
-# vLLM 0.32.0's conformance: the read-side and write-side differentials and the D3 pin
-# (tests/conformance/test_junction_below.py) against 0.32.0's real classes and the vllm_0_32 policy, and kvhit's
+# vLLM 0.32.0's conformance: the read-side and write-side differentials, the D3 pin
+# (tests/conformance/test_junction_below.py) and the findings' standalone reproductions
+# (tests/conformance/test_findings_reproduce.py) against 0.32.0's real classes and the vllm_0_32 policy, and kvhit's
 # 0.32.0 adapter (tests/conformance/test_adapter_on_0_32.py: vLLM's plugin loading, a real Scheduler), the harness
 # keyed by vllm.__version__ (tests/conformance/vllm_harness.py, VersionSeams). In .venv-vllm032 with the test pins
 # of requirements/vllm-032-test.txt and this checkout's kvhit (editable), resolver off. Derandomized (CI=1) with
@@ -63,7 +64,8 @@ conformance-032: setup-vllm032 $(VENV_VLLM032)/.test-installed
 	CI=1 KVHIT_CONFORMANCE_SCENARIOS=$(CONFORMANCE_032_SCENARIOS) KVHIT_WRITE_SCENARIOS=$(CONFORMANCE_032_WRITE_SCENARIOS) \
 	$(VENV_VLLM032)/bin/python -m pytest -q -p no:cacheprovider tests/conformance/test_hit_tokens_matches_vllm.py \
 		tests/conformance/test_write_side_matches_vllm.py tests/conformance/test_junction_below.py \
-		tests/conformance/test_adapter_on_0_32.py tests/conformance/test_upgrade_on_both_engines.py; rc=$$?; \
+		tests/conformance/test_adapter_on_0_32.py tests/conformance/test_upgrade_on_both_engines.py \
+		tests/conformance/test_findings_reproduce.py; rc=$$?; \
 	echo "conformance-032: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # vLLM 0.32.0's long run: the two differential suites against 0.32.0's classes at the long run's sizes.

@@ -6,9 +6,13 @@ finders index the request's block hashes up to (N - 1) // block without checking
 (N - L) // hash_block do.
 
 Standalone: needs only vLLM 0.33.0 (CPU is enough; no model, no GPU). Run: python f1_index_error.py
+On a vLLM without lookahead block hashes (0.32.0) it says so and exits with status 1: F1 cannot occur there.
 Prints one line per case: the layout, N, how many block hashes the request has, and what
 KVCacheManager.get_computed_blocks (the scheduler's lookup) does on an EMPTY cache.
 """
+
+import inspect
+import sys
 
 import torch
 
@@ -26,6 +30,12 @@ from vllm.v1.request import Request
 L = 2
 
 
+def has_lookahead_hashes():
+    """vLLM 0.33.0's KVCacheManager and get_request_block_hasher take num_hash_lookahead_tokens; 0.32.0's do not."""
+    return all("num_hash_lookahead_tokens" in inspect.signature(fn).parameters
+               for fn in (KVCacheManager, get_request_block_hasher))
+
+
 def attn(cls, block_size, **kw):
     return cls(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16, **kw)
 
@@ -40,6 +50,10 @@ CASES = [
 
 
 def main():
+    if not has_lookahead_hashes():
+        sys.exit(f"F1 needs lookahead block hashes, which vLLM {vllm.__version__} does not have (its KVCacheManager "
+                 f"and get_request_block_hasher take no num_hash_lookahead_tokens), so F1 cannot occur there. "
+                 f"Run this script on vLLM 0.33.0.")
     init_none_hash(sha256)
     print(f"vllm={vllm.__version__} L={L}")
     for name, specs, S, h, lengths in CASES:

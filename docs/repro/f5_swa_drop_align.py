@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """F5: with the EAGLE last-block drop (use_eagle=True: eagle/MTP with a KV connector, or
-disable_lookahead_block_hashes), vLLM 0.33.0's SlidingWindowManager.find_longest_cache_hit loses an alignment
-unit when no full window is cached (prompts shorter than about the window: the `if not match_found:` path).
-It keeps the run of cached blocks from block 0, aligns it down to alignment_tokens, then pops the EAGLE block
-and aligns again: the second alignment takes a whole unit more. Popping first and aligning once keeps it.
+disable_lookahead_block_hashes; on vLLM 0.32.0, every eagle/MTP drafter with prefix caching), vLLM 0.33.0's
+and 0.32.0's SlidingWindowManager.find_longest_cache_hit loses an alignment unit when no full window is cached
+(prompts shorter than about the window: the `if not match_found:` path). It keeps the run of cached blocks
+from block 0, aligns it down to alignment_tokens, then pops the EAGLE block and aligns again: the second
+alignment takes a whole unit more. Popping first and aligning once keeps it.
 
 Layout: Gemma-like: full attention (block 64) + sliding window (block 32, window 512); S = A = 64, h = 32.
 Also full attention 32 + sliding window 16 (window 64); S = A = 32, h = 16.
 
-Standalone: needs only vLLM 0.33.0 (CPU is enough). Run: python f5_swa_drop_align.py
+Standalone: needs only vLLM 0.32.0 or 0.33.0 (CPU is enough) and first_repeat.py beside it.
+Run: python f5_swa_drop_align.py
 Serves a prompt once the way the scheduler does with the drop (one prefill chunk, allocate_slots caches at
 schedule time, one sampled token re-cached by cache_blocks, free; retention interval 0, vLLM's default), then
 looks the identical prompt up with KVCacheManager.get_computed_blocks, as the scheduler admits a resend.

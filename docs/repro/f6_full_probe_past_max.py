@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""F6: vLLM 0.33.0's FullAttentionManager.find_longest_cache_hit reads its run of cached full blocks only up
-to max_length // block_size and, at hash granularity, probes the hash boundaries inside the next block only up
-to max_length // alignment_tokens. A full block cached past M = N - 1 vouches for every token before it (the
-hashes are prefix-chained), but the lookup never reads it; and vLLM caches only a prompt's LAST hash boundary
-inside a partial block (_cache_partial_tail_block), so the boundaries below it are not there to be probed.
-A prompt that ends exactly at the end of a cached full block, or inside one, misses what is cached.
+"""F6: vLLM 0.33.0's (and 0.32.0's) FullAttentionManager.find_longest_cache_hit reads its run of cached full
+blocks only up to max_length // block_size and, at hash granularity, probes the hash boundaries inside the next
+block only up to max_length // alignment_tokens. A full block cached past M = N - 1 vouches for every token
+before it (the hashes are prefix-chained), but the lookup never reads it; and vLLM caches only a prompt's LAST
+hash boundary inside a partial block (_cache_partial_tail_block), so the boundaries below it are not there to be
+probed. A prompt that ends exactly at the end of a cached full block, or inside one, misses what is cached.
 
 Hash-granular layouts only: DCP > 1 with Mamba (Qwen3-Next-like: full attention 1600 sharded, so the
 effective block is 1600 * dcp, + Mamba/GDN 1600 in align mode; hash unit and alignment 1600).
 
-Standalone: needs only vLLM 0.33.0 (CPU is enough). Run: python f6_full_probe_past_max.py
+Standalone: needs only vLLM 0.32.0 or 0.33.0 (CPU is enough) and first_repeat.py beside it.
+Run: python f6_full_probe_past_max.py
 Serves a first prompt the way the scheduler does (chunked prefill with a per-step token budget, the
 scheduler's own _mamba_block_aligned_split, allocate_slots caching at schedule time, one sampled token,
 free; dense retention so every Mamba state the chunks computed is kept), then looks a prompt made of its

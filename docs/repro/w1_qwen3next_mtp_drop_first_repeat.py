@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """W1: with multi-module MTP in drop mode (use_eagle=True: MTP with a KV connector or
-disable_lookahead_block_hashes, num_speculative_tokens=2), vLLM 0.33.0 keeps one token of the prompt
-"reprefillable" (num_reprefillable_tokens = Lp - 1), so on a prompt whose length is a multiple of the block
-the EAGLE group's cached prefix ends one block short of N. A resend then peeks past the last cached block,
-drops it and resumes one scheduler block below the Mamba checkpoint the first request stored, where no
-Mamba state exists: the first resend hits 0 and recomputes the whole prompt. That resend stores the state at
-its junction, so the second resend hits.
+disable_lookahead_block_hashes, num_speculative_tokens=2; on vLLM 0.32.0, MTP with prefix caching), vLLM 0.33.0
+and 0.32.0 keep one token of the prompt "reprefillable" (num_reprefillable_tokens = Lp - 1), so on a prompt whose
+length is a multiple of the block the EAGLE group's cached prefix ends one block short of N. A resend then peeks
+past the last cached block, drops it and resumes one scheduler block below the Mamba checkpoint the first request
+stored, where no Mamba state exists: the first resend hits 0 and recomputes the whole prompt. That resend stores
+the state at its junction, so the second resend hits.
 
 Layout: Qwen3-Next-like: full attention (block 1600) + Mamba/GDN (block 1600, align mode); S = A = h = 1600.
 Prompt N = 8000 (5 * 1600), served on an empty cache, then resent three times.
 
-Standalone: needs only vLLM 0.33.0 (CPU is enough) and first_repeat.py beside it.
+Standalone: needs only vLLM 0.32.0 or 0.33.0 (CPU is enough) and first_repeat.py beside it.
 Run: python w1_qwen3next_mtp_drop_first_repeat.py
 Each request runs as Scheduler.schedule / update_from_output run it alone with an unlimited token budget
 (the scheduler's own _mamba_block_aligned_split and _reserve_prefill_lookahead clip the chunks). Prints,

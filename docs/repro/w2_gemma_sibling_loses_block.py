@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""W2: without a drafter, vLLM 0.33.0's sparse retention (prefix_cache_retention_interval=0, the engine
-default) keeps sliding-window state only for the replay boundary N - 1. The window tail a resend needs
-(ending at floor_A(N - 1)) is kept, but when the block size divides N the block ending at N is not kept, so
-a longer prompt extending the first one (the next turn of a chat, a longer sibling) resumes one alignment
+"""W2: without a drafter, vLLM 0.33.0's (and 0.32.0's) sparse retention (prefix_cache_retention_interval=0,
+the engine default) keeps sliding-window state only for the replay boundary N - 1. The window tail a resend
+needs (ending at floor_A(N - 1)) is kept, but when the block size divides N the block ending at N is not kept,
+so a longer prompt extending the first one (the next turn of a chat, a longer sibling) resumes one alignment
 unit lower than it would with dense retention.
 
 Layout: Gemma-like: full attention (block 64) + sliding window (block 32, window 512); S = A = 64, h = 32.
 First request N = 704 (11 * 64) on an empty cache, then a sibling of 800 tokens sharing the 704.
 
-Standalone: needs only vLLM 0.33.0 (CPU is enough). Run: python w2_gemma_sibling_loses_block.py
+Standalone: needs only vLLM 0.32.0 or 0.33.0 (CPU is enough). Run: python w2_gemma_sibling_loses_block.py
 Serves the first request the way the scheduler does with no drafter and an unlimited token budget (one
 prefill chunk, allocate_slots caches at schedule time; one sampled token; free), then looks the sibling up
 with KVCacheManager.get_computed_blocks. Prints, per retention interval: the sibling's hit, the resend's
 hit, and whether the full 704-token window tail is cached.
 """
+
+import inspect
 
 import torch
 
@@ -30,6 +32,12 @@ N, SIBLING = 704, 800
 S, H = 64, 32  # scheduler block lcm(64, 32); hash unit: the smallest block (cache_config.block_size)
 
 
+def lookahead_kwargs(fn):
+    """``num_hash_lookahead_tokens=0`` where ``fn`` takes it (vLLM 0.33.0); vLLM 0.32.0 has no lookahead hashes."""
+    takes = "num_hash_lookahead_tokens" in inspect.signature(fn).parameters
+    return {"num_hash_lookahead_tokens": 0} if takes else {}
+
+
 def manager(retention):
     full = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=8, dtype=torch.float16)
     swa = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=512)
@@ -37,13 +45,13 @@ def manager(retention):
                         kv_cache_groups=[KVCacheGroupSpec(["full.0"], full), KVCacheGroupSpec(["swa.0"], swa)],
                         prefix_cache_retention_interval=retention)
     return KVCacheManager(kv_cache_config=cfg, max_model_len=2048, scheduler_block_size=S, hash_block_size=H,
-                          enable_caching=True, use_eagle=False, num_hash_lookahead_tokens=0,
-                          num_prefill_lookahead=0)
+                          enable_caching=True, use_eagle=False, num_prefill_lookahead=0,
+                          **lookahead_kwargs(KVCacheManager))
 
 
 def run(retention):
     mgr = manager(retention)
-    hasher = get_request_block_hasher(H, sha256, 0)
+    hasher = get_request_block_hasher(H, sha256, **lookahead_kwargs(get_request_block_hasher))
     prompt = list(range(1, N + 1))
     first = Request("first", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
     mgr.new_step_starts()

@@ -12,22 +12,33 @@ Prompt N = 577 (9 * 64 + 1), MTP with 2 speculative tokens, lookahead mode, rete
 
 Standalone: needs only vLLM 0.33.0 (CPU is enough) and first_repeat.py beside it.
 Run: python w3_gemma_lookahead_first_repeat.py
+On a vLLM without lookahead block hashes (0.32.0) it says so and exits with status 1: W3 cannot occur there.
 Each request runs as Scheduler.schedule / update_from_output run it alone with an unlimited token budget
 (the scheduler's own _reserve_prefill_lookahead clips the chunks). Prints, per retention interval, the hits
 of the first request and of three resends.
 """
 
+import inspect
+import sys
+
 import torch
 
 import vllm
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from first_repeat import build, serve  # docs/repro/first_repeat.py, beside this script
 
 N = 577
 S, H = 64, 32
+
+
+def has_lookahead_hashes():
+    """vLLM 0.33.0's KVCacheManager and get_request_block_hasher take num_hash_lookahead_tokens; 0.32.0's do not."""
+    return all("num_hash_lookahead_tokens" in inspect.signature(fn).parameters
+               for fn in (KVCacheManager, get_request_block_hasher))
 
 
 def hits(retention):
@@ -43,6 +54,10 @@ def hits(retention):
 
 
 def main():
+    if not has_lookahead_hashes():
+        sys.exit(f"W3 needs lookahead block hashes, which vLLM {vllm.__version__} does not have (its KVCacheManager "
+                 f"and get_request_block_hasher take no num_hash_lookahead_tokens), so W3 cannot occur there. "
+                 f"Run this script on vLLM 0.33.0.")
     init_none_hash(sha256)
     print(f"vllm={vllm.__version__} layout=full64+swa32w512 N={N} k=2 multi_module_mtp lookahead")
     for retention in (0, None):

@@ -5,11 +5,11 @@ from .vllm_harness import VLLM_VERSION
 from .write_side import WRITE_STATS
 
 # Tied to vLLM 0.33.0's findings, patches and lookahead hashes: collected on 0.33.0 only (the 0.32.0 run,
-# `make conformance-032`, is the two differential suites, test_junction_below.py and the 0.32.0 adapter's
-# test_adapter_on_0_32.py). Any other release is an error, not a quietly smaller suite.
+# `make conformance-032`, is the two differential suites, test_junction_below.py, the findings the 0.32.0
+# repros share in test_findings_reproduce.py and the 0.32.0 adapter's test_adapter_on_0_32.py). Any other
+# release is an error, not a quietly smaller suite.
 if VLLM_VERSION == "0.32.0":
-    collect_ignore = ["test_comparison_can_fail.py", "test_counterexamples_on_vllm.py",
-                      "test_findings_reproduce.py", "test_patched_vllm.py"]
+    collect_ignore = ["test_comparison_can_fail.py", "test_counterexamples_on_vllm.py", "test_patched_vllm.py"]
 elif VLLM_VERSION == "0.33.0":
     collect_ignore = ["test_adapter_on_0_32.py"]  # make conformance-032's
 else:

@@ -1,32 +1,48 @@
-"""Each reproduction under docs/repro/ runs against the installed vLLM 0.33.0 (as a separate process, with
-no kvhit import) and prints what vLLM does; the numbers must be what the generated refimpl predicts for
-``vllm_0_33`` on the same layout, prompt and cache state, and must differ from the ``reference`` policy's
-prediction as docs/findings.md says (the predictions are computed here, not copied from the scripts)."""
+"""Each reproduction under docs/repro/ runs against the installed vLLM, 0.33.0 or 0.32.0 (as a separate process,
+with no kvhit import) and prints what vLLM does; the numbers must be what the generated refimpl predicts for
+that release's policy (``vllm_0_33`` or ``vllm_0_32``, :data:`.vllm_harness.SEAMS`) on the same layout, prompt
+and cache state, and must differ from the ``reference`` policy's prediction as docs/findings.md says (the
+predictions are computed here, not copied from the scripts).
 
+F1 and W3 need lookahead block hashes, which vLLM 0.32.0 does not have: their tests are defined on 0.33.0 only,
+and on 0.32.0 one test checks that both scripts refuse to run, saying why."""
+
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
 from kvhit.refimpl import (CacheState, Group, Layout, Speculation, derive_sizes, hit_tokens, policy_rules,
                            repeat_hits, request_writes, written_cache)
 from kvhit.refimpl.policy import num_hashes
 
+from .vllm_harness import SEAMS, VLLM_VERSION
+
 REPRO = Path(__file__).resolve().parents[2] / "docs" / "repro"
-VLLM, REFERENCE = policy_rules("vllm_0_33"), policy_rules("reference")
+VLLM, REFERENCE = policy_rules(SEAMS.policy), policy_rules("reference")
+
+
+def _process(script):
+    assert "from kvhit" not in (REPRO / script).read_text() and "import kvhit" not in (REPRO / script).read_text()
+    return subprocess.run([sys.executable, str(REPRO / script)], capture_output=True, text=True, timeout=600)
 
 
 def _run(script):
-    out = subprocess.run([sys.executable, str(REPRO / script)], capture_output=True, text=True, timeout=600)
+    out = _process(script)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "from kvhit" not in (REPRO / script).read_text() and "import kvhit" not in (REPRO / script).read_text()
+    lines = out.stdout.splitlines()
+    assert lines and dict(re.findall(r"(\w+)=(\S+)", lines[0])).get("vllm") == VLLM_VERSION, out.stdout
     rows = []
-    for line in out.stdout.splitlines():
+    for line in lines:
         fields = dict(re.findall(r"(\w+)=(\S+)", line))
         if "case" in fields:
             rows.append(fields)
     assert rows, out.stdout
-    assert "vllm=0.33.0" in out.stdout
     return rows
 
 
@@ -44,23 +60,25 @@ F1_LAYOUTS = {
 }
 
 
-def test_f1_repro_raises_index_error_exactly_where_vllm_0_33_reads_past_the_hashes():
-    rows = _run("f1_index_error.py")
-    mtp2 = Speculation("lookahead", 2, True)
-    crashes = 0
-    for row in rows:
-        layout, n = F1_LAYOUTS[row["case"]], int(row["N"])
-        empty = CacheState.from_sets([set()] * len(derive_sizes(layout, mtp2).groups))
-        model = _predict(layout, mtp2, n, empty, VLLM)
-        reference = _predict(layout, mtp2, n, empty, REFERENCE)
-        assert int(row["hashes"]) == model["hashes"]
-        assert not reference["crash"]
-        if model["crash"]:
-            assert row.get("error", "").startswith("IndexError"), row
-            crashes += 1
-        else:
-            assert int(row["hit"]) == model["hit"] == reference["hit"], row
-    assert crashes == 3
+if SEAMS.hash_lookahead:  # F1 needs lookahead block hashes (vLLM 0.33.0; see the 0.32.0 test below)
+
+    def test_f1_repro_raises_index_error_exactly_where_vllm_0_33_reads_past_the_hashes():
+        rows = _run("f1_index_error.py")
+        mtp2 = Speculation("lookahead", 2, True)
+        crashes = 0
+        for row in rows:
+            layout, n = F1_LAYOUTS[row["case"]], int(row["N"])
+            empty = CacheState.from_sets([set()] * len(derive_sizes(layout, mtp2).groups))
+            model = _predict(layout, mtp2, n, empty, VLLM)
+            reference = _predict(layout, mtp2, n, empty, REFERENCE)
+            assert int(row["hashes"]) == model["hashes"]
+            assert not reference["crash"]
+            if model["crash"]:
+                assert row.get("error", "").startswith("IndexError"), row
+                crashes += 1
+            else:
+                assert int(row["hit"]) == model["hit"] == reference["hit"], row
+        assert crashes == 3
 
 
 F2_LAYOUTS = {
@@ -69,7 +87,7 @@ F2_LAYOUTS = {
 }
 
 
-def test_f2_repro_loses_one_block_on_the_unitary_drop_exactly_as_vllm_0_33_predicts():
+def test_f2_repro_loses_one_block_on_the_unitary_drop_exactly_as_the_vllm_policy_predicts():
     rows = _run("f2_unitary_drop.py")
     drop, none = Speculation("drop", 1), Speculation("none")
     lost = {}
@@ -106,7 +124,7 @@ def _served(layout, speculation, n, retention, rules, resends=3):
     return [0, *repeat_hits(sizes, n, retention, rules, resends)]
 
 
-def test_w1_repro_first_resend_misses_under_mtp_drop_exactly_as_vllm_0_33_predicts():
+def test_w1_repro_first_resend_misses_under_mtp_drop_exactly_as_the_vllm_policy_predicts():
     rows = _run("w1_qwen3next_mtp_drop_first_repeat.py")
     seen = {}
     for row in rows:
@@ -122,7 +140,7 @@ def test_w1_repro_first_resend_misses_under_mtp_drop_exactly_as_vllm_0_33_predic
     assert seen["none_retention_0"][0][1] > 0
 
 
-def test_w2_repro_sibling_loses_a_block_under_sparse_retention_exactly_as_vllm_0_33_predicts():
+def test_w2_repro_sibling_loses_a_block_under_sparse_retention_exactly_as_the_vllm_policy_predicts():
     rows = _run("w2_gemma_sibling_loses_block.py")
     none = Speculation("none")
     sizes = derive_sizes(GEMMA, none)
@@ -142,17 +160,19 @@ def test_w2_repro_sibling_loses_a_block_under_sparse_retention_exactly_as_vllm_0
     assert sibling == {0: (640, 704), None: (704, 704)}
 
 
-def test_w3_repro_first_resend_misses_under_lookahead_hashes_exactly_as_vllm_0_33_predicts():
-    rows = _run("w3_gemma_lookahead_first_repeat.py")
-    mtp2 = Speculation("lookahead", 2, True)
-    seen = {}
-    for row in rows:
-        retention, n = _retention(row["case"]), int(row["N"])
-        vllm_hits = [int(row["first"]), *map(int, row["resends"].split(","))]
-        assert vllm_hits == _served(GEMMA, mtp2, n, retention, VLLM), row
-        seen[retention] = (vllm_hits, _served(GEMMA, mtp2, n, retention, REFERENCE))
-    assert seen[0] == ([0, 0, 512, 512], [0, 512, 512, 512])
-    assert seen[None][0] == [0, 512, 512, 512]
+if SEAMS.hash_lookahead:  # W3 needs lookahead block hashes (vLLM 0.33.0; see the 0.32.0 test below)
+
+    def test_w3_repro_first_resend_misses_under_lookahead_hashes_exactly_as_vllm_0_33_predicts():
+        rows = _run("w3_gemma_lookahead_first_repeat.py")
+        mtp2 = Speculation("lookahead", 2, True)
+        seen = {}
+        for row in rows:
+            retention, n = _retention(row["case"]), int(row["N"])
+            vllm_hits = [int(row["first"]), *map(int, row["resends"].split(","))]
+            assert vllm_hits == _served(GEMMA, mtp2, n, retention, VLLM), row
+            seen[retention] = (vllm_hits, _served(GEMMA, mtp2, n, retention, REFERENCE))
+        assert seen[0] == ([0, 0, 512, 512], [0, 512, 512, 512])
+        assert seen[None][0] == [0, 512, 512, 512]
 
 
 DSV4_REPORT = Layout((Group("full", 16384, tokens_per_state=128), Group("full", 512, tokens_per_state=4),
@@ -160,7 +180,7 @@ DSV4_REPORT = Layout((Group("full", 16384, tokens_per_state=128), Group("full", 
                       Group("swa", 8, window=128), Group("swa", 4, window=8)), name="dsv4_report")
 
 
-def test_w4_repro_the_deepseek_v4_report_returns_on_the_first_resend_exactly_as_vllm_0_33_predicts():
+def test_w4_repro_the_deepseek_v4_report_returns_on_the_first_resend_exactly_as_the_vllm_policy_predicts():
     rows = _run("w4_dsv4_report_first_repeat.py")
     drop = Speculation("drop", 1)
     seen = {}
@@ -190,7 +210,7 @@ F5_LAYOUTS = {
 }
 
 
-def test_f5_repro_loses_an_alignment_unit_on_the_short_window_drop_exactly_as_vllm_0_33_predicts():
+def test_f5_repro_loses_an_alignment_unit_on_the_short_window_drop_exactly_as_the_vllm_policy_predicts():
     rows = _run("f5_swa_drop_align.py")
     drop = Speculation("drop", 1)
     lost = {}
@@ -212,7 +232,7 @@ def test_f5_repro_loses_an_alignment_unit_on_the_short_window_drop_exactly_as_vl
         assert tokens == (0 if case in {("gemma", 576), ("full32+swa16w64", 96)} else unit), (case, tokens)
 
 
-def test_f6_repro_misses_the_full_block_past_the_last_token_exactly_as_vllm_0_33_predicts():
+def test_f6_repro_misses_the_full_block_past_the_last_token_exactly_as_the_vllm_policy_predicts():
     rows = _run("f6_full_probe_past_max.py")
     none = Speculation("none")
     lost = {}
@@ -234,3 +254,24 @@ def test_f6_repro_misses_the_full_block_past_the_last_token_exactly_as_vllm_0_33
         ("dcp2", 4800, 3200), ("dcp2", 8000, 6400), ("dcp4", 6400, 4800), ("dcp4", 8000, 6400)}
     assert lost[("dcp2", 4800, 4800)] == 0
     assert all(tokens % 1600 == 0 for tokens in lost.values())
+
+
+if not SEAMS.hash_lookahead:
+
+    def test_f1_and_w3_repros_refuse_on_a_vllm_without_lookahead_hashes():
+        """vLLM 0.32.0's KVCacheManager and get_request_block_hasher take no num_hash_lookahead_tokens, so F1 and
+        W3 cannot occur on it: the model refuses their settings and the scripts exit saying why (no TypeError)."""
+        for fn in (KVCacheManager, get_request_block_hasher):
+            assert "num_hash_lookahead_tokens" not in inspect.signature(fn).parameters, fn
+        mtp2 = Speculation("lookahead", 2, True)
+        f1_layout = F1_LAYOUTS["swa16w64"]
+        empty = CacheState.from_sets([set()] * len(derive_sizes(f1_layout, mtp2).groups))
+        with pytest.raises(ValueError, match="no lookahead block hashes"):
+            _predict(f1_layout, mtp2, 33, empty, VLLM)
+        with pytest.raises(ValueError, match="no lookahead block hashes"):
+            _served(GEMMA, mtp2, 577, 0, VLLM)
+        for finding, script in (("F1", "f1_index_error.py"), ("W3", "w3_gemma_lookahead_first_repeat.py")):
+            out = _process(script)
+            assert out.returncode == 1 and "case=" not in out.stdout, (script, out.stdout, out.stderr[-3000:])
+            assert f"{finding} needs lookahead block hashes, which vLLM {VLLM_VERSION} does not have" in out.stderr
+            assert "Traceback" not in out.stderr, out.stderr[-3000:]
