@@ -45,28 +45,18 @@ def models() -> str:
 def serve(models):
     """``serve(spec_mode, kvhit_mode)``: the (cached) run of one server."""
 
-    def run(spec_mode: str, kvhit_mode: str) -> server.Run:
-        key = (spec_mode, kvhit_mode)
-        if key not in _runs:
-            print(f"\n[e2e] vllm serve: {spec_mode}, KVHIT_MODE={kvhit_mode}", flush=True)
-            extra_env = {}
-            if kvhit_mode == "enforce":
-                extra_env["KVHIT_COUNT_GAINS"] = "1"   # enforce counts what it gains only when asked
-            if kvhit_mode != "off":
-                # kvhit's counters live in the engine-core process; vLLM's /metrics serves them only in
-                # prometheus_client's multiprocess mode, with a fresh directory.
-                extra_env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="prometheus-", dir=OUT)
-            result = server.serve_and_query(models, spec_mode, kvhit_mode, server.LENGTHS, OUT, HEALTH_TIMEOUT_S,
-                                            extra_env)
-            print(f"[e2e] healthy after {result.start_s:.1f} s; error: {result.error}", flush=True)
-            _runs[key] = result
-        result = _runs[key]
-        if result.error is not None:
-            pytest.fail(f"vllm serve ({spec_mode}, KVHIT_MODE={kvhit_mode}) failed: {result.error}; "
-                        f"server log: {result.log_path}")
-        return result
+    def start(spec_mode: str, kvhit_mode: str) -> server.Run:
+        extra_env = {}
+        if kvhit_mode == "enforce":
+            extra_env["KVHIT_COUNT_GAINS"] = "1"   # enforce counts what it gains only when asked
+        if kvhit_mode != "off":
+            # kvhit's counters live in the engine-core process; vLLM's /metrics serves them only in
+            # prometheus_client's multiprocess mode, with a fresh directory.
+            extra_env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="prometheus-", dir=OUT)
+        return server.serve_and_query(models, spec_mode, kvhit_mode, server.LENGTHS, OUT, HEALTH_TIMEOUT_S,
+                                      extra_env)
 
-    return run
+    return lambda spec_mode, kvhit_mode: _cached("vllm serve", spec_mode, kvhit_mode, start)
 
 
 @pytest.fixture(scope="session")
@@ -79,19 +69,25 @@ def serve_granite():
     if not os.path.exists(os.path.join(path, "config.json")):
         make_models.make_granite(path)
 
-    def run(setting: str, kvhit_mode: str) -> server.Run:
-        key = (setting, kvhit_mode)
-        if key not in _runs:
-            print(f"\n[e2e] granite server: {setting}, KVHIT_MODE={kvhit_mode}", flush=True)
-            _runs[key] = granite.serve(path, setting, kvhit_mode, OUT, HEALTH_TIMEOUT_S)
-            print(f"[e2e] healthy after {_runs[key].start_s:.1f} s; error: {_runs[key].error}", flush=True)
-        result = _runs[key]
-        if result.error is not None:
-            pytest.fail(f"granite server ({setting}, KVHIT_MODE={kvhit_mode}) failed: {result.error}; "
-                        f"server log: {result.log_path}")
-        return result
+    def start(setting: str, kvhit_mode: str) -> server.Run:
+        return granite.serve(path, setting, kvhit_mode, OUT, HEALTH_TIMEOUT_S)
 
-    return run
+    return lambda setting, kvhit_mode: _cached("granite server", setting, kvhit_mode, start)
+
+
+def _cached(what: str, setting: str, kvhit_mode: str, start) -> server.Run:
+    """The run of one server, started once per session by ``start(setting, kvhit_mode)``; a test that needs a
+    server which failed fails with its error and log."""
+    key = (setting, kvhit_mode)
+    if key not in _runs:
+        print(f"\n[e2e] {what}: {setting}, KVHIT_MODE={kvhit_mode}", flush=True)
+        _runs[key] = start(setting, kvhit_mode)
+        print(f"[e2e] healthy after {_runs[key].start_s:.1f} s; error: {_runs[key].error}", flush=True)
+    result = _runs[key]
+    if result.error is not None:
+        pytest.fail(f"{what} ({setting}, KVHIT_MODE={kvhit_mode}) failed: {result.error}; "
+                    f"server log: {result.log_path}")
+    return result
 
 
 def pytest_configure(config):
