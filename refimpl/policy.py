@@ -1,7 +1,7 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 92ebc477525f0e123796518d7c9f20bc61b5888b59827be9a15c37e22b209867
+spec-sha256: 55afdd96a336903ae86318f034d34de41c05fda9394b3cabcd4e079a3dcb6482
 output-sha256: 99cc8ca7a85a92e56bc1cd7b572f79a3b2a8662174b9d44160497d019a399c2b
 """
 

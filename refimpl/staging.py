@@ -1,11 +1,12 @@
 """kvhit's staged lowering, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
-spec/stage.py's stage_hit_tokens and what it runs (spec/terms.py, spec/stage.py and the functions of
-spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py it reaches), copied as the spec
-writes them, on the domain types of refimpl/policy.py; see kvhit.spec.codegen.generate_staging.
+spec/stage.py's stage_hit_tokens and what it runs: spec/terms.py and spec/stage.py, and the functions of
+spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py they reach that name an operator
+(or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
+See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 92ebc477525f0e123796518d7c9f20bc61b5888b59827be9a15c37e22b209867
-output-sha256: 2dc03a9a5212d4fb81f6c7536f4cd0628074879276ea02f46db3ffa36f61c4d3
+spec-sha256: 55afdd96a336903ae86318f034d34de41c05fda9394b3cabcd4e079a3dcb6482
+output-sha256: 24cdccf45f46e30ca103b23584310c4e09c13da8defbaf05e8edc589d965e2c8
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from . import policy as runtime
-from .policy import ALL_POLICIES, Group, Kind, Layout, Rules, Sizes, SpecGroup, Speculation, check_speculation, effective_block, fine_grained_capable, is_simple, max_cache_hit_length, partial_hash_hits_enabled, pass_bound, policy_rules, prefix_groups
+from .policy import Kind, Layout, Rules, Sizes, SpecGroup, Speculation, check_speculation, effective_block, fine_grained_capable, is_simple, max_cache_hit_length, partial_hash_hits_enabled, pass_bound, policy_rules, prefix_groups
 
 
 # --------------------------------------------------------------------------------------------------
@@ -687,10 +688,14 @@ def stage_hit_tokens(layout, speculation, policy: str='reference') -> tuple[str,
     codegen copies it: what the adapter stages with).
 
     Raises:
+        TypeError: ``layout`` or ``speculation`` is not this module's type;
         SpecError: the policy's hit cannot be staged (vLLM's fixed-point loop branches on the cache: only
             policies whose hit is one scan stage, ``reference`` among them); ValueError: the spec rejects
             the layout.
     """
+    for value, cls in ((layout, Layout), (speculation, Speculation)):
+        if not isinstance(value, cls):
+            raise TypeError(f'stage_hit_tokens needs {cls.__module__}.{cls.__name__}, got {type(value).__module__}.{type(value).__name__} (kvhit.convert moves a value between the spec and refimpl)')
     rules = policy_rules(policy)
     sizes = derive_sizes(layout, speculation, rules.scale_replicated)
     return stage(hit_tokens, sizes, N, rules, name='hit_tokens')

@@ -69,7 +69,6 @@ def _lower_module(name: str) -> tuple[str, str]:
 
 # The staged lowering and the operators it executes the spec with (:func:`generate_staging`).
 STAGING_MODULES = ("terms", "stage")
-STAGING_ROOT = "stage_hit_tokens"
 
 
 def _top_level_names(stmt: ast.stmt) -> list[str]:
@@ -97,6 +96,7 @@ def _spec_module(name: str):
                 # `from . import runtime` names a module; `from .x import y` a definition of x
                 imported[alias.name] = (alias.name, None) if stmt.module is None else (stmt.module, alias.name)
         elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            _check_stdlib(stmt, name)
             if not (isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"):
                 stdlib.append(ast.unparse(stmt))
         else:
@@ -104,6 +104,21 @@ def _spec_module(name: str):
             for n in _top_level_names(stmt):
                 own[n] = stmt
     return ast.get_docstring(tree) or "", stmts, own, imported, stdlib
+
+
+# What the staged module may import besides the refimpl: the standard library modules the spec uses, and z3
+# (terms imports it inside the function that builds a Z3 term, which staging never calls).
+STAGING_IMPORTS = ("__future__", "contextlib", "contextvars", "dataclasses", "enum", "itertools", "math", "typing",
+                   "z3")
+
+
+def _check_stdlib(node: ast.stmt, module: str) -> None:
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    for name in names:
+        if name.split(".")[0] not in STAGING_IMPORTS:
+            raise ValueError(f"spec/{module}.py imports {name}: the staged module may import only "
+                             f"{', '.join(STAGING_IMPORTS)} and the refimpl (the serving process imports "
+                             "nothing else of kvhit)")
 
 
 def _names_used(stmt: ast.stmt) -> set[str]:
@@ -117,9 +132,9 @@ def generate_staging() -> str:
     writes them (each operator a call of :mod:`kvhit.spec.terms`, which dispatches to the lowering in
     force), not as ``refimpl/policy.py`` has them (each operator replaced by its Python source, which
     cannot take a staged value). The module is, in this order: ``terms`` and ``stage`` whole (their
-    imports of spec modules dropped), then every function of the policy modules that
-    :func:`kvhit.spec.stage.stage_hit_tokens` reaches and that names an operator or calls such a function,
-    copied as the spec writes it. The other functions it reaches (``derive_sizes``, ``policy_rules``, ...)
+    imports of spec modules dropped), then every function of the policy modules that they reach (through
+    :func:`kvhit.spec.stage.stage_hit_tokens`) and that names an operator or calls such a function, copied
+    as the spec writes it; a class or constant that names one is refused (it would come lowered). The other functions it reaches (``derive_sizes``, ``policy_rules``, ...)
     are the same code in ``refimpl/policy.py``, and the policy modules' classes and constants (``Sizes``,
     ``Rules``, ``REFERENCE``, ...) are its too: they are imported from ``.policy``, so the staged functions
     run on the refimpl's own domain values (the engine passes them no others). ``runtime`` is ``.policy`` too (codegen copies it there as it is). Every name keeps the
@@ -142,53 +157,55 @@ def generate_staging() -> str:
         for n, stmt in own.items():
             define(n, name, stmt)
         sections.append((name, doc, stmts))
-    # The spec functions the staged hit reaches, each with the ones it calls and whether it names anything
-    # of terms or stage (an operator, the lowering in force) itself.
-    from_policy: set[str] = set()
-    calls: dict[tuple[str, str], set[tuple[str, str]]] = {}
-    lowered: set[tuple[str, str]] = set()
-    wanted: list[tuple[str, str]] = [("stage", STAGING_ROOT)]
-    seen: set[tuple[str, str]] = set()
+    # Every definition terms and stage reach, each with the definitions it names (``refs``; a method's or a
+    # default value's names are its class's or constant's).
+    refs: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    wanted = [(name, n) for name in STAGING_MODULES for n in modules[name][2]]
     while wanted:
         key = wanted.pop()
-        if key in seen:
+        if key in refs:
             continue
-        seen.add(key)
         module, name = key
         _, _, own, imported, _ = modules[module]
+        refs[key] = set()
         for used in sorted(_names_used(own[name])):
-            if used in own:
-                target = (module, used)
-            elif used in imported:
-                target = imported[used]
-            else:
+            target = (module, used) if used in own else imported.get(used)
+            if target is None:
                 continue  # a builtin, a local or a parameter
-            where, what = target
-            if what is None:  # a module: runtime, copied into .policy as it is
-                if where != "runtime":
-                    raise ValueError(f"spec/{module}.py imports the module {where}; only runtime is supported")
+            if target[1] is None:  # a module: runtime, copied into .policy as it is
+                if target[0] != "runtime":
+                    raise ValueError(f"spec/{module}.py imports the module {target[0]}; only runtime is supported")
                 continue
-            if where in STAGING_MODULES:
-                lowered.add(key)
-                wanted.append(target)
-            elif isinstance(modules[where][2][what], ast.FunctionDef) and where != "runtime":
-                calls.setdefault(key, set()).add(target)
-                wanted.append(target)
-            else:
-                from_policy.add(what)  # a class, a constant or a runtime helper: the refimpl's own
-    # A spec function must run as the spec writes it when it names terms or stage, or calls one that must;
-    # any other is the same code in refimpl/policy.py (codegen changes only operator calls) and comes from there.
-    copied = {key for key in seen if key[0] in SOURCES} & lowered
+            refs[key].add(target)
+            wanted.append(target)
+
+    def is_function(key):
+        return key[0] in SOURCES and key[0] != "runtime" and isinstance(modules[key[0]][2][key[1]], ast.FunctionDef)
+
+    # A spec function must run as the spec writes it when it names terms or stage (an operator, the lowering
+    # in force), or names one that must; any other is the same code in refimpl/policy.py (codegen changes
+    # only operator calls) and comes from there, as the classes and constants do.
+    copied: set[tuple[str, str]] = set()
     while True:
-        more = {key for key, callees in calls.items() if key[0] in SOURCES and callees & copied} - copied
+        more = {key for key, named in refs.items() if is_function(key) and key not in copied
+                and any(t[0] in STAGING_MODULES or t in copied for t in named)}
         if not more:
             break
         copied |= more
-    for module, name in seen:
-        if module in SOURCES and (module, name) not in copied:
-            from_policy.add(name)
+    for key, named in refs.items():
+        if key[0] in SOURCES and not is_function(key) and any(t[0] in STAGING_MODULES or t in copied for t in named):
+            raise ValueError(f"spec/{key[0]}.py: {key[1]} (a class or constant) names "
+                             f"{sorted(t[1] for t in named if t[0] in STAGING_MODULES or t in copied)}, which the "
+                             "staged module must run as the spec writes them; it would import it from .policy, "
+                             "with the operators replaced")
     for module, name in copied:
         define(name, module, modules[module][2][name])
+    emitted_keys = {(name, n) for name in STAGING_MODULES for n in modules[name][2]} | copied
+    from_policy = {t[1] for key in emitted_keys for t in refs[key] if t[0] in SOURCES and t not in copied}
+    for module, name in emitted_keys:  # no import hides inside a function either
+        for node in ast.walk(modules[module][2][name]):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                _check_stdlib(node, module)
     clash = from_policy & set(emitted)
     if clash:
         raise ValueError(f"{', '.join(sorted(clash))}: both copied and imported from .policy")
@@ -211,9 +228,10 @@ def generate_staging() -> str:
     header = (
         f'"""kvhit\'s staged lowering, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). '
         f"DO NOT EDIT.\n\n"
-        f"spec/stage.py's stage_hit_tokens and what it runs (spec/terms.py, spec/stage.py and the functions of\n"
-        f"{', '.join(f'spec/{n}.py' for n in SOURCES if n != 'runtime')} it reaches), copied as the spec\n"
-        f"writes them, on the domain types of refimpl/policy.py; see kvhit.spec.codegen.generate_staging.\n"
+        f"spec/stage.py's stage_hit_tokens and what it runs: spec/terms.py and spec/stage.py, and the functions of\n"
+        f"{', '.join(f'spec/{n}.py' for n in SOURCES if n != 'runtime')} they reach that name an operator\n"
+        f"(or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.\n"
+        f"See kvhit.spec.codegen.generate_staging.\n"
         f"Z3 is imported only if a Z3 term is built, which nothing here does.\n"
         f"spec-sha256: {spec_digest()}\n"
         f"output-sha256: {hashlib.sha256(body.encode()).hexdigest()}\n"

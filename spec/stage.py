@@ -36,6 +36,7 @@ from typing import Any, Callable
 from . import runtime
 from .api import policy_rules
 from .cache import scan_last_held
+from .domain import Layout, Speculation
 from .policy import hit_tokens
 from .sizes import derive_sizes
 from .terms import OPERATORS, Lowering, SpecError, SymbolicBranchError, active, installed
@@ -339,10 +340,15 @@ def stage_hit_tokens(layout, speculation, policy: str = "reference") -> tuple[st
     codegen copies it: what the adapter stages with).
 
     Raises:
+        TypeError: ``layout`` or ``speculation`` is not this module's type;
         SpecError: the policy's hit cannot be staged (vLLM's fixed-point loop branches on the cache: only
             policies whose hit is one scan stage, ``reference`` among them); ValueError: the spec rejects
             the layout.
     """
+    for value, cls in ((layout, Layout), (speculation, Speculation)):
+        if not isinstance(value, cls):  # the other module's type (spec and refimpl each have one) or none
+            raise TypeError(f"stage_hit_tokens needs {cls.__module__}.{cls.__name__}, got {type(value).__module__}."
+                            f"{type(value).__name__} (kvhit.convert moves a value between the spec and refimpl)")
     rules = policy_rules(policy)
     sizes = derive_sizes(layout, speculation, rules.scale_replicated)
     return stage(hit_tokens, sizes, N, rules, name="hit_tokens")

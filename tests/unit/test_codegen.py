@@ -74,3 +74,48 @@ def test_the_staging_module_imports_neither_z3_nor_the_spec():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_staging_refuses_what_it_could_not_copy_faithfully(tmp_path, monkeypatch):
+    """A class or constant naming a function that must run as the spec writes it (it would come from
+    refimpl/policy.py, its operators replaced), and an import of kvhit in a spec module (the serving process
+    would import the spec again), stop the generator."""
+    import shutil
+
+    import pytest
+
+    def spec_with(module, extra):
+        spec = tmp_path / f"spec{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(codegen.SPEC_DIR, spec)
+        (spec / f"{module}.py").write_text((spec / f"{module}.py").read_text() + extra)
+        monkeypatch.setattr(codegen, "SPEC_DIR", spec)
+
+    spec_with("policy", "\nLOOKUPS = {'full': full_attention_lookup}\n\n\ndef uses_table(x):\n"
+                        "    return LOOKUPS\n")
+    codegen.generate_staging()  # unreached from the staged hit: nothing changes
+    spec_with("policy", "\nLOOKUPS = {'full': full_attention_lookup}\n")
+    src = (codegen.SPEC_DIR / "api.py").read_text()
+    (codegen.SPEC_DIR / "api.py").write_text(src.replace("def policy_rules(policy):",
+                                                         "def policy_rules(policy, _table=None):\n    _table = LOOKUPS"))
+    (codegen.SPEC_DIR / "api.py").write_text((codegen.SPEC_DIR / "api.py").read_text().replace(
+        "from .policy import ALL_POLICIES", "from .policy import LOOKUPS, ALL_POLICIES"))
+    with pytest.raises(ValueError, match="LOOKUPS .a class or constant. names .'full_attention_lookup'."):
+        codegen.generate_staging()
+    spec_with("sizes", "\nfrom kvhit.convert import to_spec\n")
+    with pytest.raises(ValueError, match="spec/sizes.py imports kvhit.convert"):
+        codegen.generate_staging()
+
+
+def test_staging_takes_only_its_own_modules_domain_types():
+    from kvhit import refimpl
+    from kvhit.convert import to_spec
+    from kvhit.refimpl import staging
+    from kvhit.spec import stage
+
+    import pytest
+
+    layout, speculation = refimpl.Layout((refimpl.Group("full", 16),)), refimpl.Speculation()
+    with pytest.raises(TypeError, match="needs kvhit.spec.domain.Layout, got kvhit.refimpl.policy.Layout"):
+        stage.stage_hit_tokens(layout, to_spec(speculation))
+    with pytest.raises(TypeError, match="needs kvhit.refimpl.policy.Speculation, got kvhit.spec.domain.Speculation"):
+        staging.stage_hit_tokens(layout, to_spec(speculation))
