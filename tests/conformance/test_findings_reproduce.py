@@ -36,7 +36,8 @@ def _run(script):
     out = _process(script)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert lines and dict(re.findall(r"(\w+)=(\S+)", lines[0])).get("vllm") == VLLM_VERSION, out.stdout
+    header = [line for line in lines if line.startswith("vllm=")]  # vLLM may log to stdout before it
+    assert header and dict(re.findall(r"(\w+)=(\S+)", header[0])).get("vllm") == VLLM_VERSION, out.stdout
     rows = []
     for line in lines:
         fields = dict(re.findall(r"(\w+)=(\S+)", line))

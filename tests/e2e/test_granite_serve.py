@@ -60,12 +60,17 @@ def test_first_repeats_are_the_policy_prediction(serve_granite, setting, kvhit_m
 @pytest.mark.parametrize("setting", NOCKPT)
 def test_enforce_never_hits_less_than_stock_on_a_stream_sharing_a_prefix(serve_granite, setting):
     """Prompts that share 1, 2 or 3 blocks of an earlier one and then diverge: per request, enforce's
-    cached tokens are at least stock's (off's); the greedy outputs are the same."""
+    cached tokens are at least stock's (off's); the greedy outputs are the same. Dense, the stream tells
+    the two apart: enforce's write side keeps the Mamba states at P's block boundaries, vLLM 0.32.0's only
+    where a prefill chunk ended, so some sibling hits more under enforce (the README's table)."""
     enforce, off = serve_granite(setting, "enforce"), serve_granite(setting, "off")
     assert [name for name, _ in enforce.stream] == [name for name, _ in off.stream]
     for (name, ours), (_, stock) in zip(enforce.stream, off.stream):
         assert ours.cached_tokens >= stock.cached_tokens, (setting, name, ours, stock)
         assert ours.text == stock.text, (setting, name)
+    if SETTINGS[setting][1] is None:
+        assert any(ours.cached_tokens > stock.cached_tokens
+                   for (_, ours), (_, stock) in zip(enforce.stream, off.stream)), setting
 
 
 def test_shadow_is_stock_on_the_hybrid(serve_granite):
