@@ -1,5 +1,7 @@
-"""End-to-end fixtures: tiny models built once, one `vllm serve` run per (speculative mode, KVHIT_MODE).
-The shadow and enforce servers run with PROMETHEUS_MULTIPROC_DIR so that /metrics shows kvhit's counters,
+"""End-to-end fixtures: tiny models built once, one server run per (speculative mode, KVHIT_MODE) for the
+EAGLE Llama (`serve`) and, on vLLM 0.32.0, per (Granite setting, KVHIT_MODE) for the hybrid (`serve_granite`,
+granite.py).
+The EAGLE shadow and enforce servers run with PROMETHEUS_MULTIPROC_DIR so that /metrics shows kvhit's counters,
 enforce with KVHIT_COUNT_GAINS=1; `kvhit status` reads each server before it stops.
 
 Runs only in the end-to-end venv (`make e2e`, which passes --confcutdir so the parent conftest, and its

