@@ -22,6 +22,12 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpe
 from vllm.v1.request import Request, RequestStatus
 
 
+def has_lookahead_hashes():
+    """vLLM 0.33.0's KVCacheManager and get_request_block_hasher take num_hash_lookahead_tokens; 0.32.0's do not."""
+    return all("num_hash_lookahead_tokens" in inspect.signature(fn).parameters
+               for fn in (KVCacheManager, get_request_block_hasher))
+
+
 def lookahead_kwargs(fn, L):
     """``num_hash_lookahead_tokens=L`` for ``fn`` (KVCacheManager, get_request_block_hasher) where the installed
     vLLM has lookahead block hashes (0.33.0); vLLM 0.32.0 has none, so there only ``L = 0`` can be built."""

@@ -18,27 +18,19 @@ Each request runs as Scheduler.schedule / update_from_output run it alone with a
 of the first request and of three resends.
 """
 
-import inspect
 import sys
 
 import torch
 
 import vllm
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-from first_repeat import build, serve  # docs/repro/first_repeat.py, beside this script
+from first_repeat import build, has_lookahead_hashes, serve  # docs/repro/first_repeat.py, beside this script
 
 N = 577
 S, H = 64, 32
-
-
-def has_lookahead_hashes():
-    """vLLM 0.33.0's KVCacheManager and get_request_block_hasher take num_hash_lookahead_tokens; 0.32.0's do not."""
-    return all("num_hash_lookahead_tokens" in inspect.signature(fn).parameters
-               for fn in (KVCacheManager, get_request_block_hasher))
 
 
 def hits(retention):

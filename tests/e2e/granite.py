@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 
 import server
 
@@ -51,8 +50,7 @@ def stream() -> list[tuple[str, list[int]]]:
 
 def command(model: str, setting: str, port: int) -> list[str]:
     _, _, extra = SETTINGS[setting]
-    return [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--served-model-name", "granite", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    return [*server.server_command(model), "--served-model-name", "granite", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching", "--mamba-cache-mode",
             "align", "--enable-prompt-tokens-details", "--seed", "0", *extra]
 
