@@ -133,6 +133,19 @@ def version():
     return f"kvhit {kvhit.__version__} ({os.path.dirname(os.path.abspath(kvhit.__file__))})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: print version() as it is. argparse's own version action wraps its text at the terminal's
+    width (80 columns without one), which split the line wherever kvhit is installed under a long path."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help or "print kvhit's version and "
+                         "the folder it is imported from, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit()
+
+
 def _fail(command, message):
     print(f"kvhit {command}: error: {message}", file=sys.stderr)
     return 2
@@ -208,7 +221,7 @@ def main(argv=None) -> int:
             return status.main(args.url, args.status_file, args.json, args.watch)
         return _explain(args) if args.command == "explain" else _plan(args)
     parser = argparse.ArgumentParser(prog="kvhit", description="vLLM's prefix-cache hit length, checked")
-    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("command", choices=COMMANDS, help="prove: run every invariant; gen: regenerate "
                         "refimpl/ from the spec; diff: where two policies' hits differ; explain: derive one hit; plan: rank settings for a workload; "
                         "status: what the vLLM plugin did on a running server")

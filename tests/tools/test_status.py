@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import threading
 
 import pytest
@@ -279,3 +280,15 @@ def test_version_is_the_pyproject_version(capsys):
     out = capsys.readouterr().out
     assert exit_.value.code == 0
     assert out.startswith(f"kvhit {project()['project']['version']} (") and out.rstrip().endswith("kvhit)")
+
+
+def test_version_is_one_line_whatever_the_path_and_terminal(capsys, monkeypatch):
+    # CI installs kvhit under a path longer than 80 columns, where argparse's version action wrapped the line.
+    long_init = "/" + "/".join(["a-rather-long-folder-name"] * 6) + "/kvhit/__init__.py"
+    monkeypatch.setattr(cli.kvhit, "__file__", long_init)
+    monkeypatch.setenv("COLUMNS", "40")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    version = project()["project"]["version"]
+    assert capsys.readouterr().out == f"kvhit {version} ({os.path.dirname(long_init)})\n"
