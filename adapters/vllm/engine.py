@@ -435,7 +435,7 @@ def model_coordinator(coordinator: KVCacheCoordinator, release: Release) -> Coor
     members = tuple(tuple(sg.members) for sg in sizes.groups)
     walked = walk_sources(members, _spec_groups(coordinator)[0], _block_sizes(coordinator))
     return CoordinatorModel(layout, speculation, sizes, members, tuple(spec_group_of), layout.name, write,
-                            write_note, walked, group_plans(coordinator),
+                            write_note, walked, group_plans(coordinator, members),
                             reference_hit_tokens(layout, speculation),
                             PoolCache(coordinator.block_pool, sizes.hash_block, members, walked), release)
 
@@ -474,6 +474,9 @@ class _Walk(NamedTuple):
 # A _Walk without NamedTuple's Python-level __new__ (a lookup makes one per walk).
 _new_tuple = tuple.__new__
 
+# PoolCache.asked's "not asked yet" (None is the pool's "not cached").
+_UNASKED = object()
+
 
 class PoolCache(CacheState):
     """The cache a request sees in vLLM's block pool: spec group ``k`` has boundary ``x`` when the
@@ -483,10 +486,12 @@ class PoolCache(CacheState):
     Built once per coordinator and spec-group membership, and :meth:`start` ed for each lookup (one at a
     time: vLLM's scheduler is one thread; the lookup path makes no object it does not need). The pool is
     asked each boundary once per lookup (answers are memoised in ``asked``: the pool does not change during
-    a lookup). A full-attention group's leading run, which a lookup reads from block 0 and which is most of
-    its work on a long prompt, is the run vLLM's own finder already walked (``sources``: the walks that
-    give it), extended through the pool only past where that walk stopped; ``run_from`` and ``max_query``
-    are what the loop over ``has`` would give (``tests/adapter/test_pool_cache.py``).
+    a lookup), and what it gave is kept: a Mamba group's blocks at the hit are the ones the reference asked
+    about (:func:`_group_blocks`). A full-attention group's leading run, which a lookup reads from block 0
+    and which is most of its work on a long prompt, is the run vLLM's own finder already walked
+    (``sources``: the walks that give it), extended through the pool only past where that walk stopped;
+    ``run_from`` and ``max_query`` are what the loop over ``has`` would give
+    (``tests/adapter/test_pool_cache.py``).
 
     Args:
         members: per spec group, the KV-cache group ids to ask for.
@@ -499,7 +504,9 @@ class PoolCache(CacheState):
         # CacheState's oracle is the method below, not an instance attribute
         self.get_cached_block = block_pool.get_cached_block
         self.hash_block, self.members, self.sources = hash_block, members, dict(sources)
-        self.asked: dict[tuple[int, int], bool] = {}  # (k, x) -> answer, in the order first asked
+        # (k, x) -> what the pool gave for it, in the order first asked: the blocks of k's KV-cache groups
+        # (``get_cached_block``'s list), or None when it is not cached
+        self.asked: dict[tuple[int, int], list | None] = {}
         self.block_hashes: Sequence = ()
         self.walks: Sequence[_Walk | None] = ()
         self.max_query = 0
@@ -515,15 +522,15 @@ class PoolCache(CacheState):
         """Whether the request's block hash ending at token ``x`` is cached for every KV-cache group of
         spec group ``k``."""
         key = (k, x)
-        found = self.asked.get(key)
-        if found is None:
+        found = self.asked.get(key, _UNASKED)
+        if found is _UNASKED:
             j, rest = divmod(x, self.hash_block)
             if rest:
                 raise ValueError(f"boundary {x} is not a multiple of the hash unit {self.hash_block}")
             hashes = self.block_hashes
-            found = self.asked[key] = (0 < j <= len(hashes)
-                                       and self.get_cached_block(hashes[j - 1], self.members[k]) is not None)
-        return found
+            found = self.asked[key] = (self.get_cached_block(hashes[j - 1], self.members[k])
+                                       if 0 < j <= len(hashes) else None)
+        return found is not None
 
     def run_from(self, k, start, unit, limit):
         """``CacheState.run_from``; from block 0 of a walked group, the walks' answer: the shortest of the
@@ -676,7 +683,9 @@ class _GroupPlan(NamedTuple):
 
     ``full``: a full-attention group, walked once per lookup (:func:`_walk_full_attention`); ``margin``:
     the EAGLE margin vLLM's first pass looks past the cap (an EAGLE group only); ``unit``: the alignment its
-    finder is called with (a walk's: vLLM's when finer than the block, hash granularity).
+    finder is called with (a walk's: vLLM's when finer than the block, hash granularity); ``asked_as``: for
+    a Mamba group whose finder would ask the pool what :class:`PoolCache` asks for spec group ``asked_as``
+    (:func:`mamba_asked_as`), that index, else None.
     """
 
     spec: object
@@ -690,6 +699,7 @@ class _GroupPlan(NamedTuple):
     eagle: bool
     margin: int
     unit: int
+    asked_as: int | None
 
     def find(self, block_hashes: Sequence, max_length: int, alignment: int):
         """vLLM's finder of the group, with the arguments vLLM's coordinator passes, without the drop."""
@@ -706,8 +716,32 @@ class _GroupPlan(NamedTuple):
         )
 
 
-def group_plans(coordinator: KVCacheCoordinator) -> tuple[_GroupPlan, ...]:
-    """Per vLLM spec group in lookup order, its :class:`_GroupPlan`.
+def mamba_asked_as(coordinator: KVCacheCoordinator, manager, spec_group: tuple,
+                   members: Sequence[Sequence[int]], alignment: int) -> int | None:
+    """The spec group ``k`` whose :class:`PoolCache` answers at a hit are what vLLM's
+    ``MambaManager.find_longest_cache_hit`` of ``spec_group`` (``(spec, group_ids, manager_cls, use_eagle)``,
+    looked up by ``manager``) finds there, or None.
+
+    Called with ``max_length = hit``, that finder searches the group's blocks from right to left and stops at
+    the first cached one whose end is a multiple of ``alignment``: with ``alignment`` a multiple of the block
+    and ``hit`` of ``alignment``, its first question to the pool is ``get_cached_block`` of the request's hash
+    ending at ``hit`` (at block granularity, the last hash of block ``hit // block - 1``) for ``group_ids``;
+    when ``group_ids`` are exactly ``members[k]`` (in order) and it asks the coordinator's pool, that is
+    :meth:`PoolCache.has` ``(k, hit)``, and a cached answer is the finder's result (:func:`_mamba_blocks`).
+    Only vLLM's own ``MambaManager``, with no DCP or PCP (which it refuses), qualifies.
+    """
+    spec, group_ids, manager_cls, _ = spec_group
+    block = spec.block_size
+    if (manager_cls is not MambaManager or manager.block_pool is not coordinator.block_pool
+            or manager.block_size != block or manager.dcp_world_size != 1 or manager.pcp_world_size != 1
+            or alignment % block):
+        return None
+    return next((k for k, ids in enumerate(members) if list(ids) == list(group_ids)), None)
+
+
+def group_plans(coordinator: KVCacheCoordinator, members: Sequence[Sequence[int]]) -> tuple[_GroupPlan, ...]:
+    """Per vLLM spec group in lookup order, its :class:`_GroupPlan`, given the KV-cache group ids of each of
+    the model's spec groups (``members``).
 
     Raises:
         Unmodelled: a full-attention block that is not a multiple of vLLM's alignment when the alignment is
@@ -716,7 +750,8 @@ def group_plans(coordinator: KVCacheCoordinator) -> tuple[_GroupPlan, ...]:
     spec_groups, alignment = _spec_groups(coordinator)
     h = coordinator.block_pool.hash_block_size
     plans = []
-    for spec, group_ids, manager_cls, use_eagle in spec_groups:
+    for spec_group in spec_groups:
+        spec, group_ids, manager_cls, use_eagle = spec_group
         manager = coordinator.single_type_managers[group_ids[0]]
         block = manager.block_size
         full = isinstance(spec, FullAttentionSpec)
@@ -729,7 +764,8 @@ def group_plans(coordinator: KVCacheCoordinator) -> tuple[_GroupPlan, ...]:
             raise Unmodelled(f"full-attention groups {group_ids}: block {block} is not a multiple of the "
                              f"alignment {unit}")
         plans.append(_GroupPlan(spec, group_ids, manager_cls, manager.block_pool, manager.dcp_world_size,
-                                manager.pcp_world_size, block, full, full and use_eagle, margin, unit))
+                                manager.pcp_world_size, block, full, full and use_eagle, margin, unit,
+                                mamba_asked_as(coordinator, manager, spec_group, members, unit)))
     return tuple(plans)
 
 
@@ -751,14 +787,26 @@ def _walk_full_attention(plan: _GroupPlan, block_hashes: Sequence, max_cache_hit
     return _new_tuple(_Walk, (plan.group_ids, plan.block, blocks, found, walked))
 
 
-def _group_blocks(plan: _GroupPlan, walk: _Walk | None, block_hashes: Sequence, hit: int):
+def _mamba_blocks(plan: _GroupPlan, cached: list, hit: int) -> tuple[list, ...]:
+    """What vLLM's ``MambaManager.find_longest_cache_hit`` returns at ``max_length = hit`` when its first
+    question to the pool, the block ending at ``hit``, gave ``cached`` (:func:`mamba_asked_as`): per
+    KV-cache group, that block after ``hit // block - 1`` null blocks (vLLM's "dummy blocks at the
+    beginning")."""
+    nulls = [plan.block_pool.null_block] * (hit // plan.block - 1)
+    return tuple(nulls + [block] for block in cached)
+
+
+def _group_blocks(plan: _GroupPlan, walk: _Walk | None, block_hashes: Sequence, hit: int, cache: PoolCache):
     """The blocks of one of vLLM's spec groups for a hit of ``hit`` tokens, from vLLM's finder.
 
     Full attention is downward-closed: its walk's blocks are cut to ``cdiv(hit, block)``, as vLLM's Hybrid
     coordinator cuts them; blocks are the pool's for the request's hashes, so they are vLLM's whenever the
     hits agree. If the walk stops short of ``hit`` (the reference may rely on a hash-granular entry past
     the cap), the group's whole cached prefix within the hashes is looked up instead. Other kinds are
-    looked up at ``hit`` without the drop (a verified EAGLE group in vLLM's loop is too) and must land on it.
+    looked up at ``hit`` without the drop (a verified EAGLE group in vLLM's loop is too) and must land on it;
+    a Mamba group whose state at ``hit`` the reference found in the pool (``cache``, this lookup's) gets
+    the blocks vLLM's finder would return from that one answer, without asking the pool again (stock vLLM
+    asks it once; :func:`_mamba_blocks`).
     """
     if walk is not None:
         blocks, found = walk.blocks, walk.found
@@ -771,6 +819,10 @@ def _group_blocks(plan: _GroupPlan, walk: _Walk | None, block_hashes: Sequence, 
         for group_blocks in blocks:
             del group_blocks[keep:]
         return blocks
+    if plan.asked_as is not None and hit % plan.unit == 0:
+        cached = cache.asked.get((plan.asked_as, hit))
+        if cached is not None:
+            return _mamba_blocks(plan, cached, hit)
     blocks, found = plan.find(block_hashes, hit, plan.unit)
     if found != hit:
         raise _Inconsistent(f"{type(plan.spec).__name__} groups {plan.group_ids}: vLLM's finder at {hit} "
@@ -791,7 +843,7 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
     hit, _, longest = _reference(coordinator, model, block_hashes, walks, max_cache_hit_length)
     out: list = [None] * len(model.spec_group_of)  # every KV-cache group is in one of the plans
     for plan, walk in zip(model.plans, walks):
-        for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit)):
+        for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit, model.cache)):
             out[gid] = group_blocks
     # The shared prefix past the hit (refimpl.shared_prefix_tokens; none on one group) is vLLM's uncached
     # common prefix: get_computed_blocks makes it the request's shared_prefix_boundary, where the write
@@ -813,7 +865,7 @@ def enforced_hits_per_group(coordinator: HybridKVCacheCoordinator, model: Coordi
     out_hits = [0] * len(coordinator.single_type_managers)
     for plan, walk in zip(model.plans, walks):
         hit = hits[model.spec_group_of[plan.group_ids[0]]]
-        for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit)):
+        for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit, cache)):
             out_blocks[gid] = group_blocks
             out_hits[gid] = hit
     return tuple(out_blocks), tuple(out_hits)

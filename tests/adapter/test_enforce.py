@@ -70,7 +70,8 @@ def _ids(blocks):
 
 def _check_probe(harness, layout, spec, tokens, what):
     """Look ``tokens`` up through ``KVCacheManager.get_computed_blocks`` and check it against the
-    reference; returns ``(hit, spb)``."""
+    reference, and each group's blocks but full attention's against vLLM's own finder at the hit; returns
+    ``(hit, spb)``."""
     request = harness._new_request(tokens)
     blocks, hit, spb = harness.manager.get_computed_blocks(request)
     expected, junction = expected_reference_lookup(harness, layout, spec, tokens)
@@ -82,6 +83,11 @@ def _check_probe(harness, layout, spec, tokens, what):
     if stock[1] == hit:
         # Same hit: exactly vLLM's blocks.
         assert _ids(blocks.blocks) == _ids(stock[0]), context
+    for plan in engine._models[harness.manager.coordinator].plans:
+        if not plan.full:  # also a Mamba group's blocks built from the reference's question (_mamba_blocks)
+            found_blocks, found = plan.find(request.block_hashes, hit, plan.unit)
+            assert found == hit, context
+            assert _ids(blocks.blocks[gid] for gid in plan.group_ids) == _ids(found_blocks), context
     assert spb == junction, context  # the reference's shared prefix past the hit, for either write side
     return hit, spb
 

@@ -117,7 +117,7 @@ def test_restarted_cache_forgets_the_last_lookup():
     walks = [engine._Walk(list(full), b, ([],), 9 * b, 9), None]
     hashes = list(range(9))
     assert engine._reference(coordinator, model, hashes, walks, n - 1)[0] == 7 * b  # state 6 ends at 7b
-    assert model.cache.asked[(1, 7 * b)] is True
+    assert model.cache.asked[(1, 7 * b)] is not None
     mamba_cached.discard(6)
     assert engine._reference(coordinator, model, hashes, walks, n - 1)[0] == 5 * b  # state 4 ends at 5b
 
