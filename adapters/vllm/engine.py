@@ -787,13 +787,16 @@ def _walk_full_attention(plan: _GroupPlan, block_hashes: Sequence, max_cache_hit
     return _new_tuple(_Walk, (plan.group_ids, plan.block, blocks, found, walked))
 
 
-def _mamba_blocks(plan: _GroupPlan, cached: list, hit: int) -> tuple[list, ...]:
+def _mamba_blocks(plan: _GroupPlan, cached: list, hit: int) -> list[list]:
     """What vLLM's ``MambaManager.find_longest_cache_hit`` returns at ``max_length = hit`` when its first
     question to the pool, the block ending at ``hit``, gave ``cached`` (:func:`mamba_asked_as`): per
     KV-cache group, that block after ``hit // block - 1`` null blocks (vLLM's "dummy blocks at the
     beginning")."""
     nulls = [plan.block_pool.null_block] * (hit // plan.block - 1)
-    return tuple(nulls + [block] for block in cached)
+    blocks = []  # a loop, as in _walks
+    for block in cached:
+        blocks.append(nulls + [block])
+    return blocks
 
 
 def _group_blocks(plan: _GroupPlan, walk: _Walk | None, block_hashes: Sequence, hit: int, cache: PoolCache):
@@ -832,8 +835,10 @@ def _group_blocks(plan: _GroupPlan, walk: _Walk | None, block_hashes: Sequence, 
 
 def _walks(model: CoordinatorModel, block_hashes: Sequence, max_cache_hit_length: int) -> list[_Walk | None]:
     """Per vLLM spec group, its :func:`_walk_full_attention` (None for other kinds)."""
-    return [_walk_full_attention(plan, block_hashes, max_cache_hit_length) if plan.full else None
-            for plan in model.plans]
+    walks = []  # a loop, not a comprehension: Python 3.11 calls a comprehension as a function
+    for plan in model.plans:
+        walks.append(_walk_full_attention(plan, block_hashes, max_cache_hit_length) if plan.full else None)
+    return walks
 
 
 def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
@@ -908,22 +913,23 @@ MODE_DIVERGENCE_TOKENS = Counter(
     ["layout", "mode", "direction"])
 
 
-# LOOKUPS' child per (layout, mode): Counter.labels() costs a lookup about 2 us, the child's inc() 0.8.
-_lookups_of: dict[tuple[str, str], object] = {}
+class _LookupCounters(dict):
+    """``(layout label, mode)`` -> ``LOOKUPS``' child, made the first time it is counted: a lookup counts
+    itself with ``_lookups_of[label, mode].inc()``, a dict read in C, where ``Counter.labels()`` would cost it
+    about 2 us."""
+
+    def __missing__(self, key: tuple[str, str]):
+        child = self[key] = LOOKUPS.labels(*key)
+        return child
 
 
-def _count_one_lookup(model: CoordinatorModel) -> None:
-    key = (model.label, _mode)
-    child = _lookups_of.get(key)
-    if child is None:
-        child = _lookups_of[key] = LOOKUPS.labels(*key)
-    child.inc()
+_lookups_of = _LookupCounters()
 
 
 def count_lookup(model: CoordinatorModel, reference: int, stock: int) -> None:
     """Count one lookup, in the installed mode, whose reference hit is ``reference`` and stock vLLM's
     ``stock``."""
-    _count_one_lookup(model)
+    _lookups_of[model.label, _mode].inc()
     if reference == stock:
         return
     direction = "reference_longer" if reference > stock else "reference_shorter"
@@ -947,7 +953,7 @@ def count_enforced(model: CoordinatorModel, hit: int, n_tokens: int) -> None:
     comparison does: the generic refimpl, with vLLM's fixed-point loop, takes longer than the staged
     reference hit (``make bench``). Never raises."""
     if not COUNT_GAINS:
-        _count_one_lookup(model)
+        _lookups_of[model.label, _mode].inc()
         return
     try:
         stock = hit_tokens(model.cache, model.sizes, n_tokens, model.release.stock_rules)[0]
