@@ -145,6 +145,43 @@ def test_enforce_keeps_the_eagle_block_the_unitary_coordinator_drops():
     assert hit == 1008
 
 
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_enforce_asks_the_pool_about_the_mamba_state_at_the_hit_once(dcp):
+    """Qwen3-Next-like, drop: the reference asks the pool whether the Mamba state at the hit is cached, and
+    the Mamba group's blocks are built from that answer (``engine._mamba_blocks``): a lookup asks the pool
+    about the Mamba group once, as stock vLLM's does, and the blocks are vLLM's finder's (``_check_probe``)."""
+    assert kvhit_vllm.install("enforce")
+    n = 11910
+    harness = _harness("qwen3next", dcp, n, "drop")
+    tokens = [random.Random(n).randrange(1, 50000) for _ in range(n)]
+    harness.serve(tokens)
+    model = engine._models[harness.manager.coordinator]
+    mamba = next(plan for plan in model.plans if not plan.full)
+    assert mamba.asked_as is not None
+    pool = harness.manager.coordinator.block_pool
+    original = pool.get_cached_block
+
+    def mamba_questions(mode):
+        asked = []
+
+        def get_cached_block(block_hash, group_ids):
+            asked.append(list(group_ids))
+            return original(block_hash, group_ids)
+
+        kvhit_vllm.install(mode)
+        pool.get_cached_block = model.cache.get_cached_block = get_cached_block
+        try:
+            hit = harness.manager.get_computed_blocks(harness._new_request(tokens))[1]
+        finally:
+            del pool.get_cached_block
+            model.cache.get_cached_block = original
+        return hit, asked.count(mamba.group_ids)
+
+    assert mamba_questions("off") == (9600, 1)
+    assert mamba_questions("enforce") == (9600, 1)
+    _check_probe(harness, refimpl_layout("qwen3next", dcp), speculation("drop"), tokens, "repeat")
+
+
 def _dsv4_report_tokens():
     return [random.Random(46240).randrange(1, 50000) for _ in range(46240)]
 
