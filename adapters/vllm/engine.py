@@ -25,6 +25,7 @@ An enforced lookup, for a request of ``N`` tokens (vLLM passes ``max_cache_hit_l
                                               # leading runs: the walks'; other queries: get_cached_block
     for each of vLLM's spec groups:                                  # blocks come from vLLM's own finders
         full attention: the walk's blocks cut to cdiv(hit, block)
+        Mamba:          what its finder returns at hit, from the pool's answer the reference already has
         other kinds:    manager_cls.find_longest_cache_hit(max_length=hit), which must return exactly hit
     num_uncached = (reference hit of the first spec group alone) - hit   # vLLM: its first lookup's result
 
