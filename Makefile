@@ -90,10 +90,11 @@ prove: venv
 # The unit run uses both cores (pytest-xdist, one test file per worker at a time): tests/test_make_prove.py
 # (the whole `kvhit prove --findings`, put first by tests/conftest.py) on one, the other files beside it. Its
 # verdicts and resource counts do not depend on the load (Z3 resource limits, a fresh process per chunk).
+# It prints its twenty slowest tests, so that a CI log shows where the 45 minutes go.
 UNIT_JOBS ?= 2
 
 test: setup
-	CI=$${CI:-1} $(PY) -m pytest -q -n $(UNIT_JOBS) --dist loadfile; rc=$$?; \
+	CI=$${CI:-1} $(PY) -m pytest -q -n $(UNIT_JOBS) --dist loadfile --durations=20; rc=$$?; \
 	$(MAKE) vllm-tests || rc=1; $(MAKE) e2e || rc=1; $(MAKE) conformance-032 || rc=1; $(MAKE) e2e-032 || rc=1; \
 	exit $$rc
 
