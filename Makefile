@@ -23,9 +23,10 @@ $(VENV)/.installed: pyproject.toml
 
 # vLLM 0.33.0's core, pinned, without its dependency resolver: the vLLM wheel pins a CUDA torch, the lock
 # pins the CPU torch pip finds locally (see the README, "Conformance against vLLM 0.33"). `make prove`
-# does not need it.
-$(VENV)/.vllm-installed: requirements/vllm-033-core.txt $(VENV)/.installed
-	$(PIP) install --no-deps -r requirements/vllm-033-core.txt
+# does not need it. The locks are installed by uv (tools/install-lock.sh: seconds where pip takes minutes),
+# by pip if uv cannot be had.
+$(VENV)/.vllm-installed: requirements/vllm-033-core.txt $(VENV)/.installed tools/install-lock.sh
+	tools/install-lock.sh $(PY) requirements/vllm-033-core.txt
 	$(PY) -c "import vllm, sys; sys.exit(vllm.__version__ != '0.33.0')"
 	touch $@
 
@@ -36,7 +37,7 @@ VENV_VLLM032 := .venv-vllm032
 
 $(VENV_VLLM032)/.installed: requirements/vllm-032-cpu.txt
 	test -x $(VENV_VLLM032)/bin/python || $(PYTHON) -m venv $(VENV_VLLM032)
-	$(VENV_VLLM032)/bin/python -m pip --disable-pip-version-check -q install --no-deps -r requirements/vllm-032-cpu.txt
+	tools/install-lock.sh $(VENV_VLLM032)/bin/python requirements/vllm-032-cpu.txt
 	$(VENV_VLLM032)/bin/python -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')"
 	$(VENV_VLLM032)/bin/python -c "import vllm.v1.core.kv_cache_coordinator"
 	touch $@
@@ -55,7 +56,7 @@ CONFORMANCE_032_SCENARIOS ?= 2400
 CONFORMANCE_032_WRITE_SCENARIOS ?= 2100
 
 $(VENV_VLLM032)/.test-installed: requirements/vllm-032-test.txt pyproject.toml $(VENV_VLLM032)/.installed
-	$(VENV_VLLM032)/bin/python -m pip --disable-pip-version-check -q install --no-deps -r requirements/vllm-032-test.txt
+	tools/install-lock.sh $(VENV_VLLM032)/bin/python requirements/vllm-032-test.txt
 	$(VENV_VLLM032)/bin/python -m pip --disable-pip-version-check -q install --no-deps -e .
 	touch $@
 
@@ -122,7 +123,7 @@ DIST_SOURCES := pyproject.toml MANIFEST.in README.md \
 
 $(BUILD_VENV)/.installed: requirements/build.txt
 	test -x $(BUILD_VENV)/bin/python || $(PYTHON) -m venv $(BUILD_VENV)
-	$(BUILD_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps -r requirements/build.txt
+	tools/install-lock.sh $(BUILD_VENV)/bin/python requirements/build.txt
 	touch $@
 
 $(WHEEL): $(BUILD_VENV)/.installed $(DIST_SOURCES)
@@ -190,4 +191,4 @@ check-gen: venv
 	$(PY) -m kvhit.spec.codegen --check
 
 clean:
-	rm -rf $(VENV) $(E2E_VENV) $(E2E032_VENV) $(VENV_VLLM032) $(BUILD_VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-uv $(E2E_VENV) $(E2E032_VENV) $(VENV_VLLM032) $(BUILD_VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -34,8 +34,8 @@ PIP="$PY -m pip --disable-pip-version-check -q"
 
 # The lock, resolver off: vLLM's wheel pins a CUDA torch, the lock pins the CPU one. Never `pip check` here.
 if ! "$PY" -c "import importlib.metadata as m; assert m.version('$DIST') == '$VLLM_VERSION'" 2>/dev/null; then
-  echo "[e2e setup] pip install --no-deps -r $REQ"
-  $PIP install --no-deps -r "$REQ"
+  echo "[e2e setup] install --no-deps -r $REQ (tools/install-lock.sh)"
+  "$ROOT/tools/install-lock.sh" "$PY" "$REQ"
 fi
 $PIP install --no-deps $TEST_PINS
 # kvhit and its entry point kvhit = kvhit.adapters.vllm:register: the install command docs/adapter.md gives an
