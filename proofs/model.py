@@ -27,7 +27,7 @@ from kvhit.spec.domain import NO_SPECULATION, Kind, Layout, Speculation
 from kvhit.spec.lower_z3 import SymbolicCache, SymbolicWrittenCache, fresh_int, lowering
 from kvhit.spec.policy import Rules, pass_bound
 from kvhit.spec.sizes import Sizes, derive_sizes
-from kvhit.spec.terms import Term, _zv
+from kvhit.spec.terms import Term, _zv, installed
 
 
 def _z3():
@@ -229,13 +229,14 @@ def accepts(rules: Rules, config: Config) -> bool:
     return True
 
 
-def runs_needed(invariant: Invariant, rules: Rules, config: Config) -> int:
+def runs_needed(invariant: Invariant, rules: Rules, config: Config, summary: bool = False) -> int:
     """Cached runs per (group, unit) that make the symbolic cache complete for a check (the small-model
     argument in :mod:`kvhit.spec.lower_z3`): one per place whose validity the check relies on. Each hit
     relies on one place per lookup of a group (one lookup for the reference and a single group, one per
-    unrolled pass in vLLM's Hybrid loop); each witness on one; and the leading run from block 0 on one."""
+    unrolled pass in vLLM's Hybrid loop, two in its summary); each witness on one; and the leading run
+    from block 0 on one."""
     sizes = derive_sizes(config.layout, config.speculation)
-    per_hit = 1 if (rules.declarative or sizes.unitary) else pass_bound(sizes)
+    per_hit = 1 if (rules.declarative or sizes.unitary) else min(pass_bound(sizes), 2 if summary else pass_bound(sizes))
     return invariant.hits * per_hit + invariant.witnesses + 1
 
 
@@ -311,12 +312,16 @@ class Verdict:
     note: str = ""
     composed_from: str = ""  # a verdict composed from two others' (Invariant.by_lemma): which
     refutations: list = field(default_factory=list)  # every refuted configuration: brief(cex) with its label
+    # PROVED configurations whose verdict covers only the runs of vLLM's loop within its unrolled passes
+    # (kvhit.proofs.loop): label and how many passes
+    bounded: list = field(default_factory=list)
 
     def as_json(self) -> dict:
         return {"invariant": self.invariant, "policy": self.policy, "verdict": self.verdict,
                 "configs": len(self.configs), "seconds": round(self.seconds, 3), "rlimit": self.rlimit, "max_rlimit": self.max_rlimit,
                 "layouts": sorted({label.split()[0] for label in self.configs}), "composed_from": self.composed_from,
-                "counterexample": self.counterexample, "refuted_configs": self.refutations}
+                "counterexample": self.counterexample, "refuted_configs": self.refutations,
+                "bounded_configs": self.bounded}
 
 
 def brief(label: str, cex: dict) -> dict:
@@ -419,19 +424,26 @@ def counterexample(config: Config, rules: Rules, values: dict, cache, described:
 
 
 def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None,
-          max_n: int | None = None, max_blocks: int | None = None):
+          max_n: int | None = None, max_blocks: int | None = None, summary: bool = False):
     """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex,
     rlimit)`` (``rlimit``: Z3's resource units spent; 0 for a scenario decided without the solver).
     ``max_n`` bounds the prompt length and ``max_blocks`` the blocks the arbitrary cache holds
-    (:meth:`~kvhit.spec.lower_z3.SymbolicCache.blocks`), to search for the smallest counterexample."""
+    (:meth:`~kvhit.spec.lower_z3.SymbolicCache.blocks`), to search for the smallest counterexample.
+    With ``summary``, vLLM's Hybrid loop is its two-pass summary (:mod:`kvhit.proofs.loop`): PROVED then holds
+    for every run, REFUTED is no verdict (the summary admits unreachable states); a claim running the loop
+    elsewhere raises :class:`kvhit.proofs.loop.LoopNotSummarised`."""
     if scenario is not None and scenario.concrete:
         return check_concrete(invariant, rules, scenario)
+    from .loop import SummaryLowering, summary_spec
+
     z3 = _z3()
     start = time.perf_counter()
-    with lowering():
+    with installed(SummaryLowering()) if summary else lowering():
         # A scenario's cache holds every block up to the hashes (one run) and no lookup reads past them.
-        runs = 1 if scenario is not None else runs_needed(invariant, rules, config)
+        runs = 1 if scenario is not None else runs_needed(invariant, rules, config, summary)
         ctx = SymbolicContext(config, rules, runs)
+        if summary:
+            ctx.P = summary_spec(ctx, SPEC)
         assumption, claim = invariant.claim(ctx)
         formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
         if max_n is not None:
@@ -448,6 +460,8 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     seconds = time.perf_counter() - start
     if result == z3.unsat:
         return "PROVED", seconds, None, spent
+    if summary:  # the summary's model may be a state no run reaches: no verdict, nothing to replay
+        return "UNDECIDED", seconds, None, spent
     if result == z3.unknown:
         return "UNKNOWN", seconds, {"reason": reason, "rlimit": spent}, spent
     values = {name: _as_python(term, model) for name, term in ctx.symbols.items()}

@@ -22,6 +22,7 @@ from kvhit.spec.sizes import derive_sizes
 from . import alignment, dcp, eagle, retention, termination, validity
 from .domains import SCENARIOS, configs
 from .expected import EXPECTED
+from .loop import check_every_run
 from .model import Verdict, accepts, brief, check, isolated_map
 
 INVARIANTS = (alignment.INVARIANTS + validity.INVARIANTS + eagle.INVARIANTS + dcp.INVARIANTS
@@ -54,7 +55,7 @@ def _run_task(task):
             sc = next(s for s in SCENARIOS if s.name == scenario)
             verdict, seconds, cex, spent = check(invariant, ALL_POLICIES[policy], sc.config, sc)
         else:
-            verdict, seconds, cex, spent = check(invariant, ALL_POLICIES[policy], _configs()[index])
+            verdict, seconds, cex, spent = check_every_run(invariant, ALL_POLICIES[policy], _configs()[index])
     except Exception as exc:  # a spec or lowering error is a failed check, reported with its cause
         return task, "ERROR", 0.0, {"error": f"{type(exc).__name__}: {exc}"}, 0
     return task, verdict, seconds, cex, spent
@@ -167,6 +168,8 @@ def _add(v: Verdict, label: str, verdict: str, cex) -> None:
     if verdict == "REFUTED":
         v.refuted += 1
         v.refutations.append(brief(label, cex))
+    if verdict == "PROVED" and cex and "loop" in cex:
+        v.bounded.append(f"{label}: {cex['loop']}")
 
 
 def compose(results, cfgs) -> dict:
@@ -315,6 +318,8 @@ def table(verdicts: list[Verdict]) -> str:
     for v in verdicts:
         count = f"{v.refuted}/{len(v.configs)}" if v.verdict == "REFUTED" else str(len(v.configs))
         composed = f"(composed: {v.composed_from}) " if v.composed_from else ""
+        if v.verdict == "PROVED" and v.bounded:  # kvhit.proofs.loop
+            composed += f"({len(v.bounded)} for vLLM's loop within its unrolled passes only) "
         lines.append(f"{v.invariant:58} {v.policy:24} {v.verdict:9} {count:>7} {v.seconds:8.2f} "
                      f"{v.rlimit / 1e6:8.1f}  {composed}"
                      f"{_summary(v.counterexample) if v.verdict == 'REFUTED' else v.note if v.verdict != 'PROVED' else ''}")

@@ -10,8 +10,9 @@ def hit_loop_terminates(ctx):
     later ones, any eagle-verified set, any aligned full-attention lengths), one pass returns c with
     0 <= c <= L and c % A == 0. So L is a non-negative
     multiple of A after the first pass and falls by at least A on every pass that does not stop: the loop
-    stops within floor((N - 1) / A) + 2 passes. (The reference's pass is its candidate scan; a single
-    group's pass is its lookup.)"""
+    stops within floor((N - 1) / A) + 2 passes. No lookup of a Hybrid pass returns more than the pass's
+    start (its longest is at most L), which the loop's two-pass summary relies on (kvhit.proofs.loop).
+    (The reference's pass is its candidate scan; a single group's pass is its lookup.)"""
     sizes = ctx.sizes()
     P = ctx.P
     hashes = P.num_hashes(sizes, ctx.n)
@@ -19,6 +20,7 @@ def hit_loop_terminates(ctx):
     bound = ctx.fresh("L")
     assumption = bound >= 0
     outs = []
+    claim = True
     if ctx.rules.declarative:
         extents = P.group_extents(ctx.cache, sizes, covered)
         outs.append((P.reference_pass(ctx.cache, sizes, bound, extents, covered, ctx.rules), bound))
@@ -32,9 +34,11 @@ def hit_loop_terminates(ctx):
         later = ctx.fresh("L_after_first_pass")  # after the first pass the candidate is aligned
         assumption = and_(assumption, and_(later >= 0, eq(later % sizes.alignment, 0)))
         for first, start in ((True, bound), (False, later)):
-            c = P.hybrid_pass(ctx.cache, sizes, hashes, start, verified, lengths, first, ctx.rules)[0]
+            c, _, _, longest, _ = P.hybrid_pass(ctx.cache, sizes, hashes, start, verified, lengths, first,
+                                                ctx.rules)
             outs.append((c, start))
-    claim = True
+            # no lookup of a pass returns more than its start (the loop's summary relies on it)
+            claim = and_(claim, longest <= start)
     for k, (c, start) in enumerate(outs):
         ctx.show(f"pass{k}", c)
         claim = and_(claim, and_(and_(c >= 0, c <= start), eq(c % sizes.alignment, 0)))

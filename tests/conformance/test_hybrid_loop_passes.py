@@ -11,7 +11,8 @@ leaves out (README, "How the checks work, and what is not proved"):
 * On a layout of two non-full-attention groups no bound of passes exists: the loop goes on while two groups
   keep lowering each other's candidate, as often as the cache lets them. The cache below makes vLLM 0.33.0's
   own coordinator take nine passes on ``full64_mamba64_mamba128`` (an ``--extended`` layout), where the
-  lowering unrolls four, so ``--extended`` verdicts there cover only the runs that stop within the bound.
+  lowering unrolls four, so the unrolled loop's verdicts there cover only the runs that stop within the
+  bound; the loop's two-pass summary (:mod:`kvhit.proofs.loop`) covers this run too (the last test).
 """
 
 import pytest
@@ -104,3 +105,47 @@ def test_extended_hybrid_layouts_are_not_the_simple_case(name):
     sizes = spec_sizes(config.layout, config.speculation)
     assert not sizes.unitary and not spec_policy.is_simple(sizes)
     assert spec_policy.pass_bound(sizes) == len(sizes.groups) + 1
+
+
+class _Chosen:
+    """A context for :func:`kvhit.proofs.loop.hit_tokens_summary` whose free values are a run's own."""
+
+    def __init__(self, values: dict):
+        self.values, self.symbols = values, {}
+
+    def fresh(self, name: str):
+        return self.values[name.split("_", 1)[1]]
+
+    fresh_bool = fresh
+
+
+def test_the_nine_pass_run_is_one_of_the_loop_summarys_inputs(monkeypatch):
+    """The two-pass summary (kvhit.proofs.loop) covers runs of any length: with its free values set to the
+    state vLLM's nine-pass run starts its last pass in, it returns that run's hit, reach and longest."""
+    from kvhit.proofs.loop import hit_tokens_summary
+
+    config = _config()
+    cache, _ = cache_from_runs(CACHE)
+    sizes = spec_sizes(config.layout, config.speculation)
+    calls = []
+    one_pass = spec_policy.hybrid_pass
+
+    def recorded(*args):
+        out = one_pass(*args)
+        calls.append((args, out))
+        return out
+
+    monkeypatch.setattr(spec_policy, "hybrid_pass", recorded)
+    hit, reach, longest, converged = spec_policy.hybrid_hit_tokens(cache, sizes, N, spec_policy.VLLM_0_33)
+    assert (hit, converged, len(calls)) == (HIT, True, PASSES)
+    (_, _, _, start, verified, lengths, first, _), _ = calls[-1]
+    between = [out for _, out in calls[1:-1]]
+    values = {"L": start, "longest_between": max(out[3] for out in between),
+              "reach_between": max(out[4] for out in between),
+              **{f"verified{k}": v for k, v in enumerate(verified)},
+              **{f"length{k}": n for k, n in enumerate(lengths)}}
+    calls.clear()
+    summary = hit_tokens_summary(_Chosen(values), cache, sizes, N, spec_policy.VLLM_0_33)
+    assert not first and len(calls) == 2
+    assert summary == (hit, reach, longest, True)
+    assert lengths[0] == calls[0][1][2][0]  # the full-attention length pass 1 set, as the summary keeps it

@@ -1,0 +1,90 @@
+"""vLLM's Hybrid loop summarised by two passes (:mod:`kvhit.proofs.loop`), against the unrolled loop on
+layouts beyond vLLM's simple case where the unrolled check finishes: the summary never proves what the
+unrolled check refutes (a real run, replayed by refimpl), it proves the safety claims the unrolled check
+proves, and a known-bad variant stays refuted through it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhit.proofs.domains import configs
+from kvhit.proofs.loop import LoopNotSummarised, check_every_run, summarised
+from kvhit.proofs.model import check
+from kvhit.proofs.runner import BY_NAME
+from kvhit.spec.policy import ALL_POLICIES
+from kvhit.spec.sizes import derive_sizes
+
+
+def config(layout: str, speculation: str):
+    return next(c for c in configs(True) if c.layout.name == layout and c.layout.dcp == 1
+                and c.speculation.describe() == speculation and not c.write_side)
+
+
+# Two groups without full attention in front (three unrolled passes) and full attention beside two Mamba
+# groups (four), without speculation and with the EAGLE drop.
+CONFIGS = (("swa32_mamba64", "none"), ("swa32_mamba64", "drop Lp=1"),
+           ("full64_mamba64_mamba128", "none"), ("full64_mamba64_mamba128", "drop Lp=1"))
+
+
+@pytest.mark.parametrize("layout,speculation", CONFIGS)
+def test_the_layouts_run_the_loop_beyond_its_simple_case(layout, speculation):
+    sizes = derive_sizes(config(layout, speculation).layout, config(layout, speculation).speculation)
+    assert summarised(sizes, ALL_POLICIES["vllm_0_33"]) and not summarised(sizes, ALL_POLICIES["reference"])
+
+
+# The safety claims, each for one policy per configuration (every combination: 36 checks of each kind,
+# measured alike on 2026-12-03: the summary PROVED all 33 the unrolled loop PROVED, and left the 3 it
+# REFUTED undecided).
+SAFETY = [(inv, policy, layout, speculation)
+          for k, (layout, speculation) in enumerate(CONFIGS)
+          for j, inv in enumerate(("hit_is_aligned_and_capped", "hit_is_valid_in_every_group", "hit_loop_terminates"))
+          for policy in [("vllm_0_33", "historical", "vllm_0_33_repaired")[(j + k) % 3]]]
+SAFETY.append(("hit_is_valid_in_every_group", "vllm_0_33", "swa32_mamba64", "drop Lp=1"))  # refuted
+
+
+@pytest.mark.parametrize("invariant,policy,layout,speculation", SAFETY)
+def test_the_summary_proves_the_safety_claims_the_unrolled_loop_proves(invariant, policy, layout, speculation):
+    """Where the unrolled check proves a safety claim the summary proves it (then for every run); where a
+    real run refutes it the summary proves nothing."""
+    cfg, rules = config(layout, speculation), ALL_POLICIES[policy]
+    unrolled = check(BY_NAME[invariant], rules, cfg)[0]
+    summary = check(BY_NAME[invariant], rules, cfg, summary=True)[0]
+    assert (unrolled, summary) in (("PROVED", "PROVED"), ("REFUTED", "UNDECIDED"))
+    assert check_every_run(BY_NAME[invariant], rules, cfg)[:1] == (unrolled,)
+
+
+def test_a_claim_the_summary_cannot_prove_is_proved_within_the_unrolled_passes_and_says_so():
+    """hit_is_the_longest_valid speaks of where the loop stops, which the summary leaves open (any fixed
+    point below pass 1's candidate): the unrolled check decides, and its PROVED says what it covers."""
+    cfg, rules = config("swa32_mamba64", "none"), ALL_POLICIES["vllm_0_33"]
+    assert check(BY_NAME["hit_is_the_longest_valid"], rules, cfg, summary=True)[0] == "UNDECIDED"
+    verdict, _, cex, _ = check_every_run(BY_NAME["hit_is_the_longest_valid"], rules, cfg)
+    assert (verdict, cex) == ("PROVED", {"loop": "runs within 3 passes"})
+
+
+@pytest.mark.parametrize("invariant,bad,layout,speculation", [
+    ("hit_is_aligned_and_capped", "no_last_token_cap", "full64_mamba64_mamba128", "none"),
+    ("hit_is_valid_in_every_group", "eagle_never_recomputes", "full64_mamba64_mamba128", "drop Lp=1"),
+])
+def test_a_known_bad_variant_is_refuted_through_the_summary(invariant, bad, layout, speculation):
+    """The summary does not prove it (its states include the real run's), and the fallback finds a real
+    run that breaks it."""
+    cfg, rules = config(layout, speculation), ALL_POLICIES[bad]
+    assert check(BY_NAME[invariant], rules, cfg, summary=True)[0] == "UNDECIDED"
+    assert check_every_run(BY_NAME[invariant], rules, cfg)[0] == "REFUTED"
+
+
+def test_a_policy_whose_passes_can_rise_is_not_summarised():
+    """peek_without_pop keeps the peeked margin, so a pass can end above its start (hit_loop_terminates
+    refutes it): check_every_run must not lean on the summary there, whatever the summary says."""
+    cfg, rules = config("swa32_mamba64", "drop Lp=1"), ALL_POLICIES["peek_without_pop"]
+    assert check(BY_NAME["hit_loop_terminates"], rules, cfg)[0] == "REFUTED"
+    verdict, _, cex, _ = check_every_run(BY_NAME["hit_is_aligned_and_capped"], rules, cfg)
+    assert verdict == "REFUTED" or cex == {"loop": "runs within 3 passes"}
+
+
+def test_a_loop_outside_the_contexts_hit_is_not_summarised():
+    """A write-side claim whose spec runs the loop inside a repeat: the summary refuses, not unrolls."""
+    cfg = next(c for c in configs(True) if c.write_side and c.layout.name == "swa32_mamba64")
+    with pytest.raises(LoopNotSummarised):
+        check(BY_NAME["second_repeat_is_stable"], ALL_POLICIES["vllm_0_33"], cfg, summary=True)
