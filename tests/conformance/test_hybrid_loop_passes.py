@@ -19,7 +19,7 @@ import pytest
 
 from kvhit.proofs.domains import configs
 from kvhit.proofs.model import cache_from_runs
-from kvhit.refimpl import VLLM_0_33, derive_sizes, hit_tokens
+from kvhit.refimpl import REFERENCE, VLLM_0_33, VLLM_0_33_REPAIRED, derive_sizes, hit_tokens
 from kvhit.refimpl import policy as refimpl_policy
 from kvhit.spec import policy as spec_policy
 from kvhit.spec.sizes import derive_sizes as spec_sizes
@@ -149,3 +149,21 @@ def test_the_nine_pass_run_is_one_of_the_loop_summarys_inputs(monkeypatch):
     assert not first and len(calls) == 2
     assert summary == (hit, reach, longest, True)
     assert lengths[0] == calls[0][1][2][0]  # the full-attention length pass 1 set, as the summary keeps it
+
+
+def test_vllm_keeps_an_eagle_verification_across_another_groups_drop():
+    """A REFUTED verdict the loop's summary left to the unrolled check (docs/findings.md, "Candidate C1"):
+    `swa32_mamba64` (an ``--extended`` layout, no full attention in front), drop mode, N = 352. Pass 1 looks
+    the sliding window up with the drop (window at 320, dropped to 288, verified), then the Mamba group drops
+    to its only state, 32: a shrink by a drop lookup, so the sliding window stays verified, and pass 2 takes
+    32 from it without the drop, though the block past 32 was never cached. vLLM 0.33.0's coordinator hits 32
+    exactly as the vllm_0_33 policy says; the reference finds nothing every group serves."""
+    config = next(c for c in configs(True) if c.layout.name == "swa32_mamba64" and c.layout.dcp == 1
+                  and c.speculation.describe() == "drop Lp=1" and not c.write_side)
+    cache, described = cache_from_runs({(0, 32): [(0, 1), (4, 6), (7, 10)], (1, 32): [(0, 1)]})
+    seeded = seeded_harness(config, 352, described)
+    assert seeded.harness.probe(seeded.tokens)["hit"] == 32
+    sizes = derive_sizes(to_refimpl(config.layout), to_refimpl(config.speculation))
+    assert hit_tokens(cache, sizes, 352, VLLM_0_33)[0] == 32
+    assert hit_tokens(cache, sizes, 352, REFERENCE)[0] == 0
+    assert hit_tokens(cache, sizes, 352, VLLM_0_33_REPAIRED)[0] == 32  # no repair of the table covers it
