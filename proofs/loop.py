@@ -14,8 +14,10 @@ verdicts said nothing of longer runs. Here the loop is *summarised* by two passe
   ``longest`` at most their start (``<= c1``) and to ``reach`` anything.
 
 Why every run is covered: by :func:`kvhit.proofs.termination.hit_loop_terminates` (which
-:func:`check_every_run` checks first, on the same configuration and policy) every pass returns a multiple of ``A`` between 0 and its start, and (on a later pass)
-its ``longest`` is at most its start; so every candidate after pass 1 lies in ``[0, c1]``, and a run that does
+:func:`check_every_run` checks first, on the same configuration and policy) the first pass leaves aligned
+full-attention lengths, every pass from such a state returns a multiple of ``A`` between 0 and its start, and
+no lookup of a pass returns more than its start; so every candidate after pass 1 lies in ``[0, c1]``, the
+passes in between add at most ``c1`` to ``longest``, and a run that does
 not stop at pass 1 stops at some pass ``m >= 2`` from a state of the set above, with the values of ``longest``
 and ``reach`` the summary allows. Every such state is one of the summary's inputs, and the claim is checked
 for all of them: a PROVED verdict holds for every run. The summary admits states no run reaches, so its
