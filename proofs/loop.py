@@ -89,9 +89,9 @@ def summary_spec(ctx, spec):
     :func:`hit_tokens_summary` wherever the policy runs the loop beyond its simple case."""
 
     def hit_tokens(cache, sizes, n_tokens, rules):
-        spec_policy.check_speculation(sizes, rules)
         if not summarised(sizes, rules):
             return spec.hit_tokens(cache, sizes, n_tokens, rules)
+        spec_policy.check_speculation(sizes, rules)  # as spec.hit_tokens refuses a setting the engine lacks
         return hit_tokens_summary(ctx, cache, sizes, n_tokens, rules)
 
     return SimpleNamespace(**{**vars(spec), "hit_tokens": hit_tokens})

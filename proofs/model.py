@@ -236,7 +236,9 @@ def runs_needed(invariant: Invariant, rules: Rules, config: Config, summary: boo
     unrolled pass in vLLM's Hybrid loop, two in its summary); each witness on one; and the leading run
     from block 0 on one."""
     sizes = derive_sizes(config.layout, config.speculation)
-    per_hit = 1 if (rules.declarative or sizes.unitary) else min(pass_bound(sizes), 2 if summary else pass_bound(sizes))
+    per_hit = 1 if (rules.declarative or sizes.unitary) else pass_bound(sizes)
+    if summary:
+        per_hit = min(per_hit, 2)
     return invariant.hits * per_hit + invariant.witnesses + 1
 
 
