@@ -65,6 +65,17 @@ class Config:
         return f"{self.layout.name}{dcp} {self.speculation.describe()}{ret}"
 
 
+# A lemma with no check of its own (``Invariant.by_lemma``): on every cache and N of a read-side configuration
+# and of its twin without speculation, the policy's hit is the reference's. It holds where both policies have
+# every premise PROVED there (every run of vLLM's loop): each hit is then 0 or served, aligned and within
+# min(N - 1, |H| * h), no longer aligned length is served, and the loop stops, so each is the largest served
+# aligned length within that cap (0 if there is none), which is one number (README, "Read-side claims of
+# vllm_0_33_repaired, composed").
+SAME_HIT = "hit_is_the_references"
+SAME_HIT_PREMISES = ("hit_is_valid_in_every_group", "hit_is_aligned_and_capped", "hit_is_the_longest_valid",
+                     "hit_loop_terminates")
+
+
 @dataclass(frozen=True)
 class Invariant:
     """A named claim checked for every configuration it applies to.
@@ -84,7 +95,8 @@ class Invariant:
         by_lemma: ``(policy, lemma)`` pairs: the default run does not check the claim for ``policy`` itself
             but composes its verdict, configuration by configuration, from the reference's and the
             invariant ``lemma``'s (which says the policy computes what the reference does wherever the claim
-            looks); ``--extended`` checks it whole (:func:`kvhit.proofs.runner.compose`).
+            looks; :data:`SAME_HIT`: a lemma read off other rows); ``--extended`` checks it whole
+            (:func:`kvhit.proofs.runner.compose`).
         default_only: a lemma of such a composition: ``--extended``, which checks the composed claims
             whole, leaves it out.
         lemmas: ``(invariant, policy)`` rows from whose verdicts a configuration the run does not check the

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvhit.spec.catalogue import CATALOGUE
+from kvhit.spec.domain import Mode
 from kvhit.spec.policy import ALL_POLICIES, KNOWN_BAD, POLICIES, RELEASES
 from kvhit.spec.sizes import derive_sizes
 
@@ -23,7 +24,7 @@ from . import alignment, dcp, eagle, retention, termination, validity
 from .domains import SCENARIOS, configs
 from .expected import EXPECTED
 from .loop import check_every_run
-from .model import Verdict, accepts, brief, check, isolated_map
+from .model import SAME_HIT, SAME_HIT_PREMISES, Verdict, accepts, brief, check, isolated_map
 
 INVARIANTS = (alignment.INVARIANTS + validity.INVARIANTS + eagle.INVARIANTS + dcp.INVARIANTS
               + termination.INVARIANTS + retention.INVARIANTS)
@@ -87,12 +88,15 @@ def tasks(only_catalogue_for_bad: bool = True):
     for inv in INVARIANTS:
         if inv.default_only and EXTENDED:
             continue
+        composed = set() if EXTENDED else {policy for policy, _ in inv.by_lemma}  # the default run composes them
         for i, config in enumerate(cfgs):
             if inv.write_side != config.write_side or not inv.applies(config):
                 continue
             if inv.heavy(config) and not EXTENDED:
                 continue
             for policy in POLICIES:
+                if policy in composed:
+                    continue
                 if inv.policies is None or policy in inv.policies or (EXTENDED and policy in inv.extended_policies):
                     out.append((inv.name, policy, i, None))
             for policy in RELEASES:  # every claim about every policy, where the release's engine has the setting
@@ -184,19 +188,48 @@ def compose(results, cfgs) -> dict:
     for inv in INVARIANTS:
         for policy, lemma in inv.by_lemma:
             checked = [i for (name, pol, i) in by_task if name == inv.name and pol == "reference"]
-            if not checked or not any(name == lemma for name, _, _ in by_task):
+            rows = SAME_HIT_PREMISES if lemma == SAME_HIT else (lemma,)
+            if not checked or not all(any(name == row for name, _, _ in by_task) for row in rows):
                 continue
             v = Verdict(inv.name, policy, "PROVED", composed_from=f"reference + {lemma}")
             for i in checked:
                 label = cfgs[i].label
                 v.configs.append(label)
                 verdict, cex = by_task[(inv.name, "reference", i)]
-                lemma_verdict, _ = by_task.get((lemma, policy, i), ("not checked", None))
-                if lemma_verdict != "PROVED":
-                    verdict, cex = "UNKNOWN", {"error": f"{lemma} is {lemma_verdict} on {label}"}
+                why = _lemma_fails(by_task, lemma, policy, i, cfgs)
+                if why:
+                    verdict, cex = "UNKNOWN", {"error": why}
                 _add(v, label, verdict, cex)
             out[(inv.name, policy)] = v
     return out
+
+
+def _lemma_fails(by_task, lemma, policy, i, cfgs) -> str:
+    """Why ``lemma`` does not hold for ``policy`` on configuration ``i`` of ``cfgs`` ('' if it holds): its row's
+    verdict there, or for :data:`~kvhit.proofs.model.SAME_HIT` the first premise not PROVED for the reference
+    or the policy, on the configuration or its twin without speculation (a verdict that covers vLLM's loop
+    only within its unrolled passes does not count)."""
+    if lemma != SAME_HIT:
+        verdict, _ = by_task.get((lemma, policy, i), ("not checked", None))
+        return "" if verdict == "PROVED" else f"{lemma} is {verdict} on {cfgs[i].label}"
+    for j in (i, speculation_twin(cfgs[i], cfgs)):
+        for premise in SAME_HIT_PREMISES:
+            for who in ("reference", policy):
+                verdict, cex = by_task.get((premise, who, j), ("not checked", None))
+                if verdict != "PROVED" or (cex and "loop" in cex):
+                    where = "nowhere (no twin without speculation)" if j is None else cfgs[j].label
+                    return (f"{SAME_HIT} needs {premise} / {who}, which is "
+                            f"{verdict if verdict != 'PROVED' else 'PROVED within unrolled passes only'} on {where}")
+    return ""
+
+
+def speculation_twin(config, cfgs) -> int | None:
+    """The index in ``cfgs`` of the read-side configuration of ``config``'s layout without speculation (None
+    if there is none)."""
+    for i, c in enumerate(cfgs):
+        if not c.write_side and c.layout == config.layout and c.speculation.mode is Mode.NONE:
+            return i
+    return None
 
 
 def _lookup_sizes(config):

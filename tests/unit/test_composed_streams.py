@@ -3,6 +3,8 @@ reference's verdict on a configuration, where the lemma ``the_policy_serves_and_
 PROVED for the policy there. Here the composition is compared with the claim checked whole, where that
 finishes in seconds, and shown to decline where the lemma fails."""
 
+import pytest
+
 from kvhit.proofs import runner
 from kvhit.proofs.domains import write_configs
 from kvhit.proofs.model import check, isolated_map
@@ -11,6 +13,9 @@ from kvhit.spec.policy import ALL_POLICIES
 JUNCTION = "a_shared_prefix_is_kept_at_the_junction"
 LEMMA = "the_policy_serves_and_writes_as_the_reference"
 CONFIG = "qwen3next none R=0"  # the whole check of the repaired policy: about 20 s, 205 M units
+# Every claim the default run composes for vllm_0_33_repaired.
+CLAIMS = (JUNCTION, "reference_never_below_vllm", "scheduler_and_mask_boundaries_agree",
+          "second_repeat_is_stable")
 
 
 def _check(task):
@@ -36,12 +41,23 @@ def _composed(verdicts, label=CONFIG):
     return runner.compose(_results(verdicts), cfgs)
 
 
-def test_the_composed_verdict_is_the_whole_checks_where_that_finishes():
-    tasks = ((JUNCTION, "vllm_0_33_repaired"), (JUNCTION, "reference"), (LEMMA, "vllm_0_33_repaired"))
+def test_the_default_run_composes_each_claim_with_the_lemma_and_checks_none_of_them_whole():
+    composed = [inv.name for inv in runner.INVARIANTS if ("vllm_0_33_repaired", LEMMA) in inv.by_lemma]
+    assert sorted(composed) == sorted(CLAIMS)
+    assert not [t for t in runner.tasks() if t[0] in CLAIMS and t[1] == "vllm_0_33_repaired" and t[3] is None]
+    lemma_on = {t[2] for t in runner.tasks() if t[0] == LEMMA}
+    claim_on = {t[2] for t in runner.tasks() if t[0] in CLAIMS and t[1] == "reference" and t[3] is None}
+    assert claim_on <= lemma_on  # every configuration composed has its lemma checked
+
+
+
+@pytest.mark.parametrize("claim", [JUNCTION, "scheduler_and_mask_boundaries_agree", "second_repeat_is_stable"])
+def test_the_composed_verdict_is_the_whole_checks_where_that_finishes(claim):
+    tasks = ((claim, "vllm_0_33_repaired"), (claim, "reference"), (LEMMA, "vllm_0_33_repaired"))
     whole, reference, lemma = _checks(*tasks)
     assert (whole[0], reference[0], lemma[0]) == ("PROVED", "PROVED", "PROVED")
-    composed = _composed({(JUNCTION, "reference"): reference, (LEMMA, "vllm_0_33_repaired"): lemma})
-    row = composed[(JUNCTION, "vllm_0_33_repaired")]
+    composed = _composed({(claim, "reference"): reference, (LEMMA, "vllm_0_33_repaired"): lemma})
+    row = composed[(claim, "vllm_0_33_repaired")]
     assert (row.verdict, row.configs, row.composed_from) == ("PROVED", [CONFIG], f"reference + {LEMMA}")
 
 
@@ -75,3 +91,10 @@ def test_the_lemma_sees_a_write_side_that_differs_from_the_references():
     assert verdict == "REFUTED"
     hits, junctions = cex["replayed"]["hits"], cex["replayed"]["junctions"]
     assert hits[0] == hits[1] and junctions[0] == junctions[1], cex
+
+
+def test_extended_checks_each_composed_claim_whole(monkeypatch):
+    monkeypatch.setattr(runner, "EXTENDED", True)
+    monkeypatch.setattr(runner, "_CONFIGS", None)
+    whole = {t[0] for t in runner.tasks() if t[1] == "vllm_0_33_repaired" and t[3] is None}
+    assert set(CLAIMS) <= whole and LEMMA not in whole
