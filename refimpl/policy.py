@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 55afdd96a336903ae86318f034d34de41c05fda9394b3cabcd4e079a3dcb6482
-output-sha256: 99cc8ca7a85a92e56bc1cd7b572f79a3b2a8662174b9d44160497d019a399c2b
+spec-sha256: 657bebce705c8c6227f744e2d9d20e5258bdbe4f02ca6e7a3953b2c438176d2b
+output-sha256: f1426790e9e688cf36902077e1de47ae52e6251b0f09701f9b784a86fdddc79d
 """
 
 import itertools
@@ -617,6 +617,11 @@ class Rules:
             drop, as the Hybrid one does (vLLM 0.33 looks up at ``M`` and drops a whole block below it).
         drop_before_align: repair F5: a sliding-window lookup with no full window drops the EAGLE block from
             the run from block 0 before aligning it (vLLM 0.33 aligns, drops, and aligns again).
+        reverify_after_shrink: repair C1: in the Hybrid loop every shrink of the candidate clears the EAGLE
+            groups' verifications, a dropping lookup's included (it then verifies its own group at the new
+            candidate); vLLM 0.33 clears them only on a shrink by a lookup that did not drop, so a group
+            verified at a longer candidate keeps its verification below it, where its drop unit may not be
+            cached.
         probe_past_max: repair F6: a full-attention lookup also reads the block that holds ``M`` and, at
             hash granularity, the boundaries of the whole next block (within the hashes), and caps the hit
             at ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before
@@ -662,6 +667,7 @@ class Rules:
     unitary_margin: bool = False
     drop_before_align: bool = False
     probe_past_max: bool = False
+    reverify_after_shrink: bool = False
     record_junction: bool = True
     mamba_inside_blocks: bool = False
     lookahead_hashes: bool = True
@@ -701,7 +707,7 @@ class Repair:
     vllm: str
     rule: str
     value: object = True
-REPAIRS = {r.name: r for r in (Repair('cap_at_hashes', 'F1', 'KVCacheCoordinator.find_longest_cache_hit (Unitary and Hybrid)', 'cap_at_hashes'), Repair('unitary_margin', 'F2', 'UnitaryKVCacheCoordinator.find_longest_cache_hit', 'unitary_margin'), Repair('drop_before_align', 'F5', 'SlidingWindowManager.find_longest_cache_hit', 'drop_before_align'), Repair('probe_past_max', 'F6', 'FullAttentionManager.find_longest_cache_hit', 'probe_past_max'), Repair('replay_at_resume', 'W', 'kv_cache_coordinator.replay_boundaries', 'replay', Replay.RESUME))}
+REPAIRS = {r.name: r for r in (Repair('cap_at_hashes', 'F1', 'KVCacheCoordinator.find_longest_cache_hit (Unitary and Hybrid)', 'cap_at_hashes'), Repair('unitary_margin', 'F2', 'UnitaryKVCacheCoordinator.find_longest_cache_hit', 'unitary_margin'), Repair('drop_before_align', 'F5', 'SlidingWindowManager.find_longest_cache_hit', 'drop_before_align'), Repair('probe_past_max', 'F6', 'FullAttentionManager.find_longest_cache_hit', 'probe_past_max'), Repair('reverify_after_shrink', 'C1', 'HybridKVCacheCoordinator.find_longest_cache_hit', 'reverify_after_shrink'), Repair('replay_at_resume', 'W', 'kv_cache_coordinator.replay_boundaries', 'replay', Replay.RESUME))}
 
 def repaired(names, base: Rules=VLLM_0_33, name: str | None=None) -> Rules:
     """``base`` (vLLM 0.33) with the named repairs of :data:`REPAIRS` on."""
@@ -858,7 +864,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
     only; later passes trim the candidate to its length (its cache is downward-closed). Any other group is
     looked up at the candidate; an EAGLE group not yet verified peeks one margin past it (capped by the
     hashes) and drops. A drop marks the group verified; a shrink by a lookup that did not drop clears
-    every verification.
+    every verification (with ``reverify_after_shrink``, every shrink does, before the drop's own mark).
 
     Returns:
         ``(candidate, verified, lengths, longest, reach)`` after the pass.
@@ -883,7 +889,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
                 peek = min(peek, covered)
             bound = peek if drop else c
         n, r = lookup(cache, sizes, k, hashes, bound, drop and rules.pop_after_peek, rules)
-        cleared = not drop and n < c
+        cleared = n < c if rules.reverify_after_shrink else not drop and n < c
         verified = [False if cleared else v for v in verified]
         verified[k] = verified[k] or drop
         c = n

@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 55afdd96a336903ae86318f034d34de41c05fda9394b3cabcd4e079a3dcb6482
-output-sha256: 24cdccf45f46e30ca103b23584310c4e09c13da8defbaf05e8edc589d965e2c8
+spec-sha256: 657bebce705c8c6227f744e2d9d20e5258bdbe4f02ca6e7a3953b2c438176d2b
+output-sha256: fc13eaae0ea50662045b0529e9ab31d6734a434cf9036abca9fba7dafa626f03
 """
 
 from __future__ import annotations
@@ -915,7 +915,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
     only; later passes trim the candidate to its length (its cache is downward-closed). Any other group is
     looked up at the candidate; an EAGLE group not yet verified peeks one margin past it (capped by the
     hashes) and drops. A drop marks the group verified; a shrink by a lookup that did not drop clears
-    every verification.
+    every verification (with ``reverify_after_shrink``, every shrink does, before the drop's own mark).
 
     Returns:
         ``(candidate, verified, lengths, longest, reach)`` after the pass.
@@ -940,7 +940,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
                 peek = min_(peek, covered)
             bound = ite(drop, peek, c)
         n, r = lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek), rules)
-        cleared = and_(not_(drop), n < c)
+        cleared = n < c if rules.reverify_after_shrink else and_(not_(drop), n < c)
         verified = [ite(cleared, False, v) for v in verified]
         verified[k] = or_(verified[k], drop)
         c = n

@@ -80,6 +80,11 @@ class Rules:
             drop, as the Hybrid one does (vLLM 0.33 looks up at ``M`` and drops a whole block below it).
         drop_before_align: repair F5: a sliding-window lookup with no full window drops the EAGLE block from
             the run from block 0 before aligning it (vLLM 0.33 aligns, drops, and aligns again).
+        reverify_after_shrink: repair C1: in the Hybrid loop every shrink of the candidate clears the EAGLE
+            groups' verifications, a dropping lookup's included (it then verifies its own group at the new
+            candidate); vLLM 0.33 clears them only on a shrink by a lookup that did not drop, so a group
+            verified at a longer candidate keeps its verification below it, where its drop unit may not be
+            cached.
         probe_past_max: repair F6: a full-attention lookup also reads the block that holds ``M`` and, at
             hash granularity, the boundaries of the whole next block (within the hashes), and caps the hit
             at ``M`` before the drop: a block or boundary cached past ``M`` vouches for every token before
@@ -126,6 +131,7 @@ class Rules:
     unitary_margin: bool = False
     drop_before_align: bool = False
     probe_past_max: bool = False
+    reverify_after_shrink: bool = False
     record_junction: bool = True
     mamba_inside_blocks: bool = False
     lookahead_hashes: bool = True
@@ -183,6 +189,8 @@ REPAIRS = {r.name: r for r in (
     Repair("unitary_margin", "F2", "UnitaryKVCacheCoordinator.find_longest_cache_hit", "unitary_margin"),
     Repair("drop_before_align", "F5", "SlidingWindowManager.find_longest_cache_hit", "drop_before_align"),
     Repair("probe_past_max", "F6", "FullAttentionManager.find_longest_cache_hit", "probe_past_max"),
+    Repair("reverify_after_shrink", "C1", "HybridKVCacheCoordinator.find_longest_cache_hit",
+           "reverify_after_shrink"),
     Repair("replay_at_resume", "W", "kv_cache_coordinator.replay_boundaries", "replay", Replay.RESUME),
 )}
 
@@ -372,7 +380,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
     only; later passes trim the candidate to its length (its cache is downward-closed). Any other group is
     looked up at the candidate; an EAGLE group not yet verified peeks one margin past it (capped by the
     hashes) and drops. A drop marks the group verified; a shrink by a lookup that did not drop clears
-    every verification.
+    every verification (with ``reverify_after_shrink``, every shrink does, before the drop's own mark).
 
     Returns:
         ``(candidate, verified, lengths, longest, reach)`` after the pass.
@@ -397,7 +405,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
                 peek = min_(peek, covered)
             bound = ite(drop, peek, c)
         n, r = lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek), rules)
-        cleared = and_(not_(drop), n < c)
+        cleared = n < c if rules.reverify_after_shrink else and_(not_(drop), n < c)
         verified = [ite(cleared, False, v) for v in verified]
         verified[k] = or_(verified[k], drop)
         c = n

@@ -14,6 +14,9 @@ copy (:func:`use_core`, before any of its submodules is imported) and runs
   of :mod:`.test_write_side_matches_vllm`, COUNT scenarios and its pinned ones, and the counterexamples of
   the divergences once found and since removed (:data:`FORMER_DIVERGENCES`); every mismatch is collected and
   a JSON summary printed; ``KVHIT_MISMATCH_LOG`` names a file for the full text of every mismatch;
+* ``seeded LABEL N CACHE``: the hit vLLM's classes give a prompt of N tokens on the configuration LABEL (of
+  the extended domain) holding CACHE (a counterexample's ``"cache"``, JSON), as
+  :func:`.differential.seeded_harness` seeds it;
 * ``repro SCRIPT ...``: ``docs/repro`` scripts, one after another, each as ``python docs/repro/SCRIPT`` would
   run it (after a line ``script=SCRIPT``).
 
@@ -273,6 +276,17 @@ def main(argv) -> None:
         summary = write_differential(count, policy)
         summary["patched_modules"] = check_loaded_from(core_dir)
         print("summary=" + json.dumps(summary))
+    elif command == "seeded":
+        # the hit of vLLM's classes for a configuration (extended domain, by label) holding a
+        # counterexample's cache (JSON: per spec group, runs of cached blocks per unit), prompt of N tokens
+        from kvhit.proofs.domains import configs
+
+        label, n, record_cache = rest[0], int(rest[1]), json.loads(rest[2])
+        config = next(c for c in configs(True) if c.label == label)
+        from .differential import seeded_harness
+
+        seeded = seeded_harness(config, n, record_cache)
+        print(f"hit={seeded.harness.probe(seeded.tokens)['hit']} patched_modules={check_loaded_from(core_dir)}")
     elif command == "repro":
         import runpy
 

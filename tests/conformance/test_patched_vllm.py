@@ -3,7 +3,7 @@
 (``vllm_0_33_repaired``) on every read-side scenario of the differential suite and on every write-side
 scenario of :mod:`.test_write_side_matches_vllm` (and the counterexamples of the divergences once found,
 :data:`.patched.FORMER_DIVERGENCES`), and the F1, F2, F5, F6 and W1-W4 reproductions no longer show their
-defect. The same comparisons without the patches fail, so they can.
+defect, nor Candidate C1 its hit. The same comparisons without the patches fail, so they can.
 
 The number of scenarios is ``KVHIT_PATCHED_SCENARIOS`` (read side, default 2,200, of which vLLM and the spec
 both reject some configurations; at least 2,000 are compared) and ``KVHIT_PATCHED_WRITE_SCENARIOS`` (write
@@ -85,8 +85,8 @@ def w_rows(patched):
 
 
 def test_the_patches_apply_in_series_order_and_only_to_vllm_v1_core(tmp_path):
-    assert READ_SIDE_PATCHES == ("cap_at_hashes.patch", "unitary_margin.patch", "drop_before_align.patch",
-                                 "probe_past_max.patch")
+    assert READ_SIDE_PATCHES == ("reverify_after_shrink.patch", "cap_at_hashes.patch", "unitary_margin.patch",
+                                 "drop_before_align.patch", "probe_past_max.patch")
     assert SERIES == READ_SIDE_PATCHES + (WRITE_SIDE_PATCH,)
     for name in SERIES:
         paths = re.findall(r"^(?:---|\+\+\+) (\S+)", (UPSTREAM / name).read_text(), flags=re.M)
@@ -108,6 +108,20 @@ def test_unpatched_vllm_does_not_match_vllm_0_33_repaired(stock):
     """The control: the same comparison on an unpatched copy finds the defects the patches remove."""
     summary = _summary(stock, CONTROL_SCENARIOS)
     assert summary["mismatches"] > 0, summary
+
+
+def test_c1_is_gone_on_patched_vllm_the_drop_is_verified_again_below_a_shrink(patched, stock):
+    """Candidate C1 (docs/findings.md): swa32_mamba64, drop, N = 352, the sliding window holding blocks 0, 4-5
+    and 7-9 and the Mamba group its state at 32. Stock vLLM keeps the sliding window's verification made at
+    320 after the Mamba group's drop to 32 and hits 32, without the block past it; patched, the shrink clears
+    it, the window is looked up with the drop again at 32, and the hit is the reference's 0."""
+    cache = {"0": [{"unit": 32, "blocks": [[0, 1], [4, 6], [7, 10]]}], "1": [{"unit": 32, "blocks": [[0, 1]]}]}
+    hits = {}
+    for name, core in (("patched", patched), ("stock", stock)):
+        out = run_patched(core, "seeded", "swa32_mamba64 drop Lp=1", "352", json.dumps(cache))
+        assert out.returncode == 0, out.stderr[-3000:]
+        hits[name] = int(re.search(r"hit=(\d+)", out.stdout).group(1))
+    assert hits == {"patched": 0, "stock": 32}
 
 
 def test_f1_is_gone_on_patched_vllm_no_index_error_and_the_repaired_hit(patched):
