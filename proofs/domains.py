@@ -40,6 +40,14 @@ def _beyond_catalogue():
     # One Mamba group: the Unitary coordinator over a kind that never drops (a repaired Unitary margin once
     # took it past N - 1).
     out.append(Layout((Group(M, 16),), name="mamba16"))
+    # Qwen3.5/3.6-like ([GDN x3, full attention] x k and an MTP layer): one full-attention KV-cache group
+    # holding the MTP layer (the EAGLE group) and three GDN groups of one spec, which vLLM's coordinator looks
+    # up together (one spec group of three members); with prefix_match_unit too. The real Scheduler builds
+    # full attention beside three Mamba groups for Nemotron-H without MTP (tests/adapter/test_scheduler_plugin.py,
+    # "shared-mamba"); this exact grouping of Qwen3.5's layers by vLLM's planner is not checked here
+    out.append(Layout((Group(F, 1600, eagle=True),) + (Group(M, 1600),) * 3, name="qwen35"))
+    out.append(Layout((Group(F, 1600, eagle=True),) + (Group(M, 1600),) * 3, prefix_match_unit=160,
+                      name="qwen35_pmu160"))
     return out
 
 
