@@ -5,30 +5,18 @@ is the longest valid on the configuration's read-side twin. Compared here with t
 that finishes in seconds, shown to decline for the known-bad variant, and its bookkeeping."""
 
 from kvhit.proofs import runner
-from kvhit.proofs.domains import configs
-from kvhit.proofs.model import check, isolated_map
-from kvhit.spec.policy import ALL_POLICIES
+
+from .default_checks import CFGS, checks, index as _index
 
 CLAIM = "reference_never_below_vllm"
 SERVES = "vllm_0_33_cache_serves_nothing_the_policy_cache_does_not"
-CFGS = configs(extended=False)
 WRITE = "qwen3next none R=0"  # whole: a few seconds
 MTP2 = "qwen3next drop Lp=2 mtp2 R=0"  # the Qwen3-Next report's setting
 
 
-def _index(label):
-    return next(i for i, c in enumerate(CFGS) if c.label == label)
-
-
-def _check(task):
-    invariant, policy, index = task
-    verdict, _, cex, _ = check(runner.BY_NAME[invariant], ALL_POLICIES[policy], CFGS[index])
-    return task, (verdict, cex)
-
-
 def _checks(*tasks):
-    """``_check`` of each task, each in a fresh process, two at a time, in the order given."""
-    done = dict(isolated_map(_check, list(tasks), 2))
+    """The checks of ``tasks``, in the order given."""
+    done = checks(tasks)
     return [done[t] for t in tasks]
 
 

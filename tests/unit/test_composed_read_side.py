@@ -9,27 +9,11 @@ from dataclasses import replace
 import pytest
 
 from kvhit.proofs import runner
-from kvhit.proofs.domains import configs
-from kvhit.proofs.model import SAME_HIT, SAME_HIT_PREMISES, check, isolated_map
-from kvhit.spec.policy import ALL_POLICIES
+from kvhit.proofs.model import SAME_HIT, SAME_HIT_PREMISES
+
+from .default_checks import CFGS, checks as _checks, index as _index
 
 CLAIM = "eagle_loses_at_most_one_block_beyond_alignment"
-CFGS = configs(extended=False)
-
-
-def _index(label):
-    return next(i for i, c in enumerate(CFGS) if c.label == label)
-
-
-def _check(task):
-    invariant, policy, index = task
-    verdict, _, cex, _ = check(runner.BY_NAME[invariant], ALL_POLICIES[policy], CFGS[index])
-    return task, (verdict, cex)
-
-
-def _checks(tasks):
-    """``{task: (verdict, cex)}``, each check in a fresh process, two at a time."""
-    return dict(isolated_map(_check, list(tasks), 2))
 
 
 def _premises(index, policy):
