@@ -34,7 +34,10 @@ def test_the_layouts_run_the_loop_beyond_its_simple_case(layout, speculation):
 
 # The safety claims, each for one policy per configuration (every combination: 36 checks of each kind,
 # measured alike on 2026-12-03: the summary PROVED all 33 the unrolled loop PROVED, and left the 3 it
-# REFUTED undecided).
+# REFUTED undecided). Since Candidate C1's repair (reverify_after_shrink) the unrolled loop proves validity
+# for vllm_0_33_repaired on swa32_mamba64 in drop mode, and the summary cannot: it takes the verified set
+# of the last pass as arbitrary, and with sticky verifications that is the state C1 is about.
+NOT_SUMMARISED = {("hit_is_valid_in_every_group", "vllm_0_33_repaired", "swa32_mamba64", "drop Lp=1")}
 SAFETY = [(inv, policy, layout, speculation)
           for k, (layout, speculation) in enumerate(CONFIGS)
           for j, inv in enumerate(("hit_is_aligned_and_capped", "hit_is_valid_in_every_group", "hit_loop_terminates"))
@@ -44,13 +47,18 @@ SAFETY.append(("hit_is_valid_in_every_group", "vllm_0_33", "swa32_mamba64", "dro
 
 @pytest.mark.parametrize("invariant,policy,layout,speculation", SAFETY)
 def test_the_summary_proves_the_safety_claims_the_unrolled_loop_proves(invariant, policy, layout, speculation):
-    """Where the unrolled check proves a safety claim the summary proves it (then for every run); where a
-    real run refutes it the summary proves nothing."""
+    """Where the unrolled check proves a safety claim the summary proves it (then for every run), but for
+    NOT_SUMMARISED, where the verdict says it covers the unrolled passes only; where a real run refutes it
+    the summary proves nothing."""
     cfg, rules = config(layout, speculation), ALL_POLICIES[policy]
     unrolled = check(BY_NAME[invariant], rules, cfg)[0]
     summary = check(BY_NAME[invariant], rules, cfg, summary=True)[0]
+    verdict, _, cex, _ = check_every_run(BY_NAME[invariant], rules, cfg)
+    if (invariant, policy, layout, speculation) in NOT_SUMMARISED:
+        assert (unrolled, summary, verdict, cex) == ("PROVED", "UNDECIDED", "PROVED", {"loop": "runs within 3 passes"})
+        return
     assert (unrolled, summary) in (("PROVED", "PROVED"), ("REFUTED", "UNDECIDED"))
-    assert check_every_run(BY_NAME[invariant], rules, cfg)[:1] == (unrolled,)
+    assert verdict == unrolled and (cex is None or verdict == "REFUTED")
 
 
 def test_a_claim_the_summary_cannot_prove_is_proved_within_the_unrolled_passes_and_says_so():
