@@ -120,14 +120,15 @@ def test_z3_reading_of_a_written_cache_matches_refimpl(setting, n, longer, polic
     _z3_matches_refimpl(setting, n, longer, policy, repeats)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(setting=gap_settings(), n=st.integers(1, 1500), longer=st.integers(1, 400),
        policy=st.sampled_from(sorted(refimpl.POLICIES)))
 def test_z3_reading_of_a_cache_with_lost_blocks_matches_refimpl(setting, n, longer, policy):
     """The same on layouts whose sliding window loses blocks before caching them (``Held.gaps``), after the
     first request only. A resend intersects the gaps pairwise, and since the reference's scheduler also
     stops at its retained Mamba states (up to 11 gap entries a group here, 9 under vLLM 0.33) one resend
-    made the derandomized run build terms for over 15 minutes (12 examples without it: 290 s; 6 here);
+    made the derandomized run build terms for over 15 minutes (12 examples without it: 290 s; 6 took 306 s
+    of CI's unit stage on 2026-12-03, whose 45 minutes were then nearly spent; 4 here);
     resends on these layouts are compared by
     plain loops against vLLM, stock and patched (tests/conformance: test_write_side_matches_vllm's
     gap layout, test_patched_vllm's write differential)."""
