@@ -45,9 +45,9 @@ def _beyond_catalogue():
     # up together (one spec group of three members); with prefix_match_unit too. The real Scheduler builds
     # full attention beside three Mamba groups for Nemotron-H without MTP (tests/adapter/test_scheduler_plugin.py,
     # "shared-mamba"); this exact grouping of Qwen3.5's layers by vLLM's planner is not checked here
-    out.append(Layout((Group(F, 1600, eagle=True),) + (Group(M, 1600),) * 3, name="qwen35"))
-    out.append(Layout((Group(F, 1600, eagle=True),) + (Group(M, 1600),) * 3, prefix_match_unit=160,
-                      name="qwen35_pmu160"))
+    qwen35 = (Group(F, 1600, eagle=True),) + (Group(M, 1600),) * 3
+    out.append(Layout(qwen35, name="qwen35"))
+    out.append(Layout(qwen35, prefix_match_unit=160, name="qwen35_pmu160"))
     return out
 
 
