@@ -97,6 +97,17 @@ def summary_spec(ctx, spec):
     return SimpleNamespace(**{**vars(spec), "hit_tokens": hit_tokens})
 
 
+# The key of a PROVED check's ``cex`` saying its verdict covers only the runs of vLLM's loop within the unrolled
+# passes (its value: how many).
+WITHIN_PASSES = "loop"
+
+
+def proved_for_every_run(verdict: str, cex) -> bool:
+    """Whether a result of :func:`check_every_run` is PROVED for every run of vLLM's loop, not only for the runs
+    within its unrolled passes: what a composition may build on (:mod:`kvhit.proofs.runner`)."""
+    return verdict == "PROVED" and not (cex and WITHIN_PASSES in cex)
+
+
 def check_every_run(invariant, rules, config):
     """:func:`kvhit.proofs.model.check` of a read- or write-side claim, every run of vLLM's loop covered where
     the summary proves it: ``(verdict, seconds, cex, rlimit)``. Where the policy runs the loop beyond its
@@ -122,7 +133,7 @@ def check_every_run(invariant, rules, config):
             pass
     verdict, more_seconds, cex, more_spent = check(invariant, rules, config)
     if verdict == "PROVED":
-        cex = {"loop": f"runs within {spec_policy.pass_bound(sizes)} passes"}
+        cex = {WITHIN_PASSES: f"runs within {spec_policy.pass_bound(sizes)} passes"}
     return verdict, seconds + more_seconds, cex, spent + more_spent
 
 

@@ -23,7 +23,7 @@ from kvhit.spec.sizes import derive_sizes
 from . import alignment, dcp, eagle, retention, termination, validity
 from .domains import SCENARIOS, configs
 from .expected import EXPECTED
-from .loop import check_every_run
+from .loop import WITHIN_PASSES, check_every_run, proved_for_every_run
 from .model import SAME_HIT, SAME_HIT_PREMISES, Verdict, accepts, brief, check, isolated_map
 
 INVARIANTS = (alignment.INVARIANTS + validity.INVARIANTS + eagle.INVARIANTS + dcp.INVARIANTS
@@ -172,8 +172,8 @@ def _add(v: Verdict, label: str, verdict: str, cex) -> None:
     if verdict == "REFUTED":
         v.refuted += 1
         v.refutations.append(brief(label, cex))
-    if verdict == "PROVED" and cex and "loop" in cex:
-        v.bounded.append(f"{label}: {cex['loop']}")
+    if verdict == "PROVED" and not proved_for_every_run(verdict, cex):
+        v.bounded.append(f"{label}: {cex[WITHIN_PASSES]}")
 
 
 def compose(results, cfgs) -> dict:
@@ -208,19 +208,23 @@ def _lemma_fails(by_task, lemma, policy, i, cfgs) -> str:
     """Why ``lemma`` does not hold for ``policy`` on configuration ``i`` of ``cfgs`` ('' if it holds): its row's
     verdict there, or for :data:`~kvhit.proofs.model.SAME_HIT` the first premise not PROVED for the reference
     or the policy, on the configuration or its twin without speculation (a verdict that covers vLLM's loop
-    only within its unrolled passes does not count)."""
+    only within its unrolled passes does not count: :func:`kvhit.proofs.loop.proved_for_every_run`)."""
     if lemma != SAME_HIT:
-        verdict, _ = by_task.get((lemma, policy, i), ("not checked", None))
-        return "" if verdict == "PROVED" else f"{lemma} is {verdict} on {cfgs[i].label}"
+        verdict, cex = by_task.get((lemma, policy, i), ("not checked", None))
+        return "" if proved_for_every_run(verdict, cex) else f"{lemma} is {_not_every_run(verdict)} on {cfgs[i].label}"
     for j in (i, speculation_twin(cfgs[i], cfgs)):
         for premise in SAME_HIT_PREMISES:
             for who in ("reference", policy):
                 verdict, cex = by_task.get((premise, who, j), ("not checked", None))
-                if verdict != "PROVED" or (cex and "loop" in cex):
+                if not proved_for_every_run(verdict, cex):
                     where = "nowhere (no twin without speculation)" if j is None else cfgs[j].label
-                    return (f"{SAME_HIT} needs {premise} / {who}, which is "
-                            f"{verdict if verdict != 'PROVED' else 'PROVED within unrolled passes only'} on {where}")
+                    return f"{SAME_HIT} needs {premise} / {who}, which is {_not_every_run(verdict)} on {where}"
     return ""
+
+
+def _not_every_run(verdict: str) -> str:
+    """How a verdict that a composition does not build on reads (:func:`kvhit.proofs.loop.proved_for_every_run`)."""
+    return verdict if verdict != "PROVED" else "PROVED within unrolled passes only"
 
 
 def speculation_twin(config, cfgs) -> int | None:
@@ -251,12 +255,12 @@ def read_twin(config, cfgs) -> int | None:
 def compose_by_lemmas(verdicts: dict, results, cfgs) -> None:
     """Compose the reference's verdict of each invariant with :attr:`~kvhit.proofs.model.Invariant.lemmas` (when
     the run judges it and ran every lemma's row) on the configurations the run checked its first lemma on
-    but not the claim itself: PROVED if every lemma is
-    PROVED there (a read-side lemma on the configuration's :func:`read_twin`), else UNKNOWN (the composition
-    says nothing, and the run fails). Where the claim was checked whole too, a composed PROVED with a whole
-    verdict other than PROVED is an ERROR: the composition would be unsound."""
-    by_task = {(inv, policy, index): verdict for (inv, policy, index, scenario), verdict, _, _, _ in results
-               if scenario is None}
+    but not the claim itself: PROVED if every lemma is PROVED there for every run of vLLM's loop (a read-side
+    lemma on the configuration's :func:`read_twin`), else UNKNOWN (the composition says nothing, and the run
+    fails). Where the claim was checked whole too, a composed PROVED with a whole verdict other than PROVED is
+    an ERROR: the composition would be unsound."""
+    by_task = {(inv, policy, index): (verdict, cex) for (inv, policy, index, scenario), verdict, _, cex, _
+               in results if scenario is None}
     ran = {(inv, policy) for inv, policy, _ in by_task}
     for inv in INVARIANTS:
         if not inv.lemmas or (ONLY and inv.name not in ONLY) or not ran.issuperset(inv.lemmas):
@@ -267,9 +271,11 @@ def compose_by_lemmas(verdicts: dict, results, cfgs) -> None:
             if (first[0], first[1], i) not in by_task:
                 continue
             twin = read_twin(config, cfgs)
-            missing = [f"{lemma} / {policy}" for lemma, policy in inv.lemmas
-                       if by_task.get((lemma, policy, i if BY_NAME[lemma].write_side else twin)) != "PROVED"]
-            whole = by_task.get((inv.name, "reference", i))
+            found = {(lemma, policy): by_task.get((lemma, policy, i if BY_NAME[lemma].write_side else twin),
+                                                  ("not checked", None)) for lemma, policy in inv.lemmas}
+            missing = [f"{lemma} / {policy} ({_not_every_run(verdict)})"
+                       for (lemma, policy), (verdict, cex) in found.items() if not proved_for_every_run(verdict, cex)]
+            whole, _ = by_task.get((inv.name, "reference", i), (None, None))
             v = verdicts.setdefault((inv.name, "reference"), Verdict(inv.name, "reference", "PROVED"))
             if whole is not None:
                 if not missing and whole != "PROVED":

@@ -68,6 +68,11 @@ def test_a_lemma_not_proved_makes_the_composed_verdict_unknown():
     assert row.verdict == "UNKNOWN" and "hit_is_the_longest_valid" in row.counterexample["error"]
     assert _compose(proved[:-1]) is None  # a lemma's row not run (`--invariant`): nothing is composed
     assert _compose(proved[1:]) is None
+    # a lemma PROVED only for the runs of vLLM's loop within its unrolled passes (kvhit.proofs.loop) does not count
+    row = _compose(proved[:1] + [(tasks[1], ("PROVED", {"loop": "runs within 3 passes"}))] + proved[2:])
+    assert row.verdict == "UNKNOWN"
+    assert f"{tasks[1][0]} / {tasks[1][1]} (PROVED within unrolled passes only)" in row.counterexample["error"]
+    assert _compose(proved).verdict == "PROVED"
 
 
 def test_a_composed_proof_beside_a_whole_refutation_is_an_error():

@@ -80,6 +80,16 @@ def test_a_failed_lemma_makes_the_composed_verdict_unknown_and_a_refutation_carr
     assert runner.compose(_results({(JUNCTION, "reference"): proved}), []) == {}  # no lemma run: nothing
 
 
+def test_a_lemma_proved_only_within_the_unrolled_loop_does_not_count():
+    """A lemma whose PROVED covers vLLM's loop only within its unrolled passes (``kvhit.proofs.loop``) does not
+    carry the reference's verdict over: the composition declines, as for :data:`~kvhit.proofs.model.SAME_HIT`."""
+    bounded = ("PROVED", {"loop": "runs within 3 passes"})
+    row = _composed({(JUNCTION, "reference"): ("PROVED", None), (LEMMA, "vllm_0_33_repaired"): bounded})[
+        (JUNCTION, "vllm_0_33_repaired")]
+    assert row.verdict == "UNKNOWN"
+    assert row.counterexample["error"] == f"{LEMMA} is PROVED within unrolled passes only on {CONFIG}"
+
+
 def test_the_lemma_sees_a_write_side_that_differs_from_the_references():
     """Part (b) of the lemma can fail on its own: vllm_0_33_repaired with retention 0 read as dense (vLLM's
     sparse retention rule off) serves as the reference does (part (a)) but writes more."""
