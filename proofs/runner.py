@@ -93,6 +93,8 @@ def tasks(only_catalogue_for_bad: bool = True):
             if inv.write_side != config.write_side or not inv.applies(config):
                 continue
             if inv.heavy(config) and not EXTENDED:
+                if inv.write_side and _write_witness(config):  # non-vacuity: the known-bad variants, whole
+                    out.extend((inv.name, bad, i, None) for bad in inv.refuted_by if bad not in POLICIES)
                 continue
             for policy in POLICIES:
                 if policy in composed:
@@ -137,9 +139,9 @@ def run(jobs: int | None = None) -> list[Verdict]:
     results.sort(key=lambda r: order[r[0]])
     cfgs = _configs()
     verdicts = verdicts_of(results, cfgs)
-    if not EXTENDED:
-        verdicts.update(compose(results, cfgs))
-    compose_by_lemmas(verdicts, results, cfgs)
+    composed = compose_by_lemmas(verdicts, results, cfgs)
+    if not EXTENDED:  # a composed verdict of the reference's carries over as a checked one does
+        verdicts.update(compose(results + composed, cfgs))
     return list(verdicts.values())
 
 
@@ -252,13 +254,16 @@ def read_twin(config, cfgs) -> int | None:
     return None
 
 
-def compose_by_lemmas(verdicts: dict, results, cfgs) -> None:
+def compose_by_lemmas(verdicts: dict, results, cfgs) -> list:
     """Compose the reference's verdict of each invariant with :attr:`~kvhit.proofs.model.Invariant.lemmas` (when
     the run judges it and ran every lemma's row) on the configurations the run checked its first lemma on
     but not the claim itself: PROVED if every lemma is PROVED there for every run of vLLM's loop (a read-side
     lemma on the configuration's :func:`read_twin`), else UNKNOWN (the composition says nothing, and the run
     fails). Where the claim was checked whole too, a composed PROVED with a whole verdict other than PROVED is
-    an ERROR: the composition would be unsound."""
+    an ERROR: the composition would be unsound. Returns each configuration's composed verdict as a result of
+    :func:`_run_task` (no seconds, no units), for :func:`compose` to carry over to the policies of
+    :attr:`~kvhit.proofs.model.Invariant.by_lemma`."""
+    out = []
     by_task = {(inv, policy, index): (verdict, cex) for (inv, policy, index, scenario), verdict, _, cex, _
                in results if scenario is None}
     ran = {(inv, policy) for inv, policy, _ in by_task}
@@ -284,10 +289,12 @@ def compose_by_lemmas(verdicts: dict, results, cfgs) -> None:
             label = f"{config.label} (composed)"
             v.configs.append(label)
             composed += 1
-            _add(v, label, "UNKNOWN" if missing else "PROVED",
-                 {"error": f"not PROVED: {', '.join(missing)}"} if missing else None)
+            verdict, cex = ("UNKNOWN", {"error": f"not PROVED: {', '.join(missing)}"}) if missing else ("PROVED", None)
+            _add(v, label, verdict, cex)
+            out.append(((inv.name, "reference", i, None), verdict, 0.0, cex, 0))
         if composed:
             v.composed_from = f"{composed} configurations from {', '.join(name for name, _ in inv.lemmas)}"
+    return out
 
 
 def judge(verdicts: list[Verdict]) -> list[str]:

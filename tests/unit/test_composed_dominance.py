@@ -80,3 +80,27 @@ def test_a_composed_proof_beside_a_whole_refutation_is_an_error():
     tasks = _lemma_tasks(write)
     row = _compose([((CLAIM, "reference", write), ("REFUTED", {"N": 5}))] + [(t, ("PROVED", None)) for t in tasks])
     assert row.verdict == "ERROR" and "checked whole REFUTED" in row.counterexample["error"]
+
+
+def test_the_default_run_composes_the_claim_everywhere_and_checks_it_whole_only_for_the_known_bad_variant():
+    whole = [t for t in runner.tasks() if t[0] == CLAIM and t[3] is None]
+    assert {t[1] for t in whole} == {"without_junction"}
+    assert sorted(CFGS[t[2]].label for t in whole) == ["qwen3next drop Lp=1 R=0", MTP2]
+    lemma_on = {t[2] for t in runner.tasks() if t[:2] == (SERVES, "reference")}
+    assert lemma_on == {i for i, c in enumerate(CFGS) if c.write_side}
+
+
+def test_a_composed_verdict_of_the_reference_carries_over_to_the_repaired_policy():
+    """vllm_0_33_repaired's verdict is composed from the reference's (``Invariant.by_lemma``), which is itself
+    composed here: the policy's lemma makes the reference's composed verdict its own, as a checked one."""
+    write = _index(WRITE)
+    same = ("the_policy_serves_and_writes_as_the_reference", "vllm_0_33_repaired", write)
+    for lemma_verdict in ("PROVED", "REFUTED"):
+        done = [(t, (lemma_verdict if t[0] == SERVES else "PROVED", None)) for t in _lemma_tasks(write)]
+        done.append((same, ("PROVED", None)))
+        results = [(task + (None,), verdict, 0.0, cex, 0) for task, (verdict, cex) in done]
+        composed = runner.compose_by_lemmas({}, results, CFGS)
+        assert [(r[0], r[1]) for r in composed] == [((CLAIM, "reference", write, None),
+                                                     "PROVED" if lemma_verdict == "PROVED" else "UNKNOWN")]
+        row = runner.compose(results + composed, CFGS)[(CLAIM, "vllm_0_33_repaired")]
+        assert (row.verdict, row.configs) == (composed[0][1], [WRITE])
