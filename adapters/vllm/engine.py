@@ -266,6 +266,10 @@ class WriteModel:
         return best
 
 
+# Why a layout in drop mode whose every dropping group is a Mamba group is left to vLLM (:func:`_write_side`).
+ONLY_MAMBA_DROPS = "EAGLE drop mode in which only Mamba groups drop"
+
+
 def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
                 label: str) -> tuple[WriteModel | None, str]:
     """The reference write side for a coordinator whose read side the spec models, or ``(None, why the
@@ -284,6 +288,10 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
         if sg.kind is Kind.MAMBA and read_unit(sizes, k) != sg.block:
             return None, ("a Mamba group read at hash granularity (partial hits): its states inside a block "
                           "are partial tails, of which vLLM keeps one per request")
+    if sizes.drop and all(sg.kind is Kind.MAMBA for sg in sizes.groups if sg.drops):
+        return None, (f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is "
+                      "not proved never below vLLM's there (kvhit prove --extended refutes "
+                      "reference_never_below_vllm on one Mamba group in drop mode)")
     for g in coordinator.kv_cache_config.kv_cache_groups:
         if isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.num_prefill_checkpoint_blocks:
             return None, "backend-internal Mamba prefill checkpoints are not modelled"

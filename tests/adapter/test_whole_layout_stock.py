@@ -174,6 +174,30 @@ def test_a_mamba_group_read_at_hash_granularity_leaves_the_layout_stock(monkeypa
     _left_stock(monkeypatch, tmp_path, kvhit_log, _catalogue_harness(name, mode), 11910, HASH_GRANULAR)
 
 
+def _mamba16():
+    from kvhit.spec.domain import Group, Kind, Layout
+
+    return Layout((Group(Kind.MAMBA, 16),), name="mamba16")
+
+
+def test_drop_mode_in_which_only_mamba_groups_drop_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
+    """One Mamba group in drop mode (vLLM flags it the EAGLE group when no group is flagged): the reference's
+    Mamba lookups never drop, and ``kvhit prove --extended`` refutes ``reference_never_below_vllm`` there
+    (e.g. R = 0, N = 144, a 114-token prefix of it, then a 112-token one: the reference hits 112 then 0,
+    vLLM 0 then 96), so enforce leaves it to vLLM."""
+    harness = lambda: VllmHarness(harness_layout(_mamba16()), "drop", retention_interval=0, max_model_len=600)
+    _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 144, engine.ONLY_MAMBA_DROPS)
+
+
+@pytest.mark.parametrize("mode", ["none", "lookahead"])
+def test_the_same_mamba_group_without_the_drop_is_enforced(mode):
+    """The control: the reason is the drop, not the layout."""
+    assert kvhit_vllm.install("enforce")
+    harness = VllmHarness(harness_layout(_mamba16()), mode, retention_interval=0, max_model_len=600)
+    model = engine._models[harness.manager.coordinator]
+    assert model is not None and model.write is not None
+
+
 def test_chunked_local_attention_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
     _left_stock(monkeypatch, tmp_path, kvhit_log, _catalogue_harness("chunked64", "lookahead", n=1000), 1000,
                 "chunked local attention")
