@@ -253,8 +253,8 @@ INVARIANTS = (
               heavy=lambda config: True,
               policies=("reference",), extended_policies=("vllm_0_33_repaired",), by_lemma=AS_THE_REFERENCE,
               lemmas=DOMINANCE_LEMMAS),
-    # The first lemma of that composition: 6.5 G units and 129 s of checks over its 25 configurations, the costliest
-    # 998 M (gemma 346-904 M a setting, the EAGLE sliding window 135-562 M, decided by the simplex solver;
+    # The first lemma of that composition: 7.7 G units and 245 s of checks over its 25 configurations (2026-12-03;
+    # a third of the default run's units), the costliest 998 M (gemma 346-904 M a setting, the EAGLE sliding window 135-562 M, decided by the simplex solver;
     # under a 400 M first bound gemma's five took 4.9 G and over 600 s, mostly in the default solver).
     Invariant("vllm_0_33_cache_serves_nothing_the_policy_cache_does_not",
               vllm_0_33_cache_serves_nothing_the_policy_cache_does_not, "retention",

@@ -180,7 +180,8 @@ def _add(v: Verdict, label: str, verdict: str, cex) -> None:
 
 def compose(results, cfgs) -> dict:
     """The verdicts the default run composes (:attr:`~kvhit.proofs.model.Invariant.by_lemma`): on each
-    configuration where the claim was checked for the reference, the policy's verdict is the reference's if
+    configuration where ``results`` hold the claim's verdict for the reference (checked, or composed by
+    :func:`compose_by_lemmas`), the policy's verdict is the reference's if
     the lemma is PROVED there for the policy, and UNKNOWN (a failed run) if it is not: the composition then
     says nothing. A REFUTED verdict keeps the reference's counterexample, which the lemma makes the policy's
     too. Without its lemma's checks (``--invariant``), nothing is composed."""

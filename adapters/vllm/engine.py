@@ -288,7 +288,8 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
         if sg.kind is Kind.MAMBA and read_unit(sizes, k) != sg.block:
             return None, ("a Mamba group read at hash granularity (partial hits): its states inside a block "
                           "are partial tails, of which vLLM keeps one per request")
-    if sizes.drop and all(sg.kind is Kind.MAMBA for sg in sizes.groups if sg.drops):
+    dropping = [sg.kind for sg in sizes.groups if sg.drops]
+    if dropping and all(kind is Kind.MAMBA for kind in dropping):
         return None, (f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is "
                       "not proved never below vLLM's there (kvhit prove --extended refutes "
                       "reference_never_below_vllm on one Mamba group in drop mode)")
