@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 657bebce705c8c6227f744e2d9d20e5258bdbe4f02ca6e7a3953b2c438176d2b
-output-sha256: f1426790e9e688cf36902077e1de47ae52e6251b0f09701f9b784a86fdddc79d
+spec-sha256: 867d3764a0c74c7e5f1b42a9fa2accddf8c1c94a02ef7b1710b01dd2e5cacdaf
+output-sha256: 6dda3b0db6c38c73efca2096268b7a66db36bae3d04b69ea1ff1f7d9415db97d
 """
 
 import itertools
@@ -629,10 +629,6 @@ class Rules:
             a shorter prompt that shares a cached block reaching past its ``N - 1`` misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
-        mamba_inside_blocks: under ``Replay.RESUME`` a Mamba group read at hash granularity keeps a state
-            at each retained point inside a block too (the reference); otherwise vLLM's bookkeeping, one
-            state per Mamba block slot and one partial tail per request (``MambaManager``), which is what the
-            patched engine can do (:func:`~spec.retention.mamba_held`).
         lookahead_hashes: the engine has lookahead block hashes (vLLM 0.33 ``num_hash_lookahead_tokens``:
             ``VllmConfig.num_hash_lookahead_tokens``, ``get_request_block_hasher``'s third argument,
             ``Scheduler.__init__`` clearing ``use_eagle_block_drop``), so ``Mode.LOOKAHEAD`` is a setting of
@@ -669,14 +665,13 @@ class Rules:
     probe_past_max: bool = False
     reverify_after_shrink: bool = False
     record_junction: bool = True
-    mamba_inside_blocks: bool = False
     lookahead_hashes: bool = True
     junction_below: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, 'replay', Replay(self.replay))
         object.__setattr__(self, 'junction', Junction(self.junction))
-REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME, mamba_inside_blocks=True)
+REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME)
 VLLM_0_33 = Rules('vllm_0_33')
 VLLM_0_32 = Rules('vllm_0_32', lookahead_hashes=False, junction_below=False)
 HISTORICAL = Rules('historical', eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
@@ -1458,6 +1453,17 @@ def ceil_to(x, unit: int):
     """``x`` rounded up to a multiple of ``unit``."""
     return -(-x // unit) * unit
 
+def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
+    """Under ``Replay.RESUME``, the step of the periodic states of a Mamba group of ``block`` tokens: the
+    scheduler ends a chunk at every multiple of it (vLLM, patched: ``next_mamba_state_boundary``): the
+    retention interval when positive, ``max(A, b)`` when dense (retention None, or 0 read as dense without
+    ``rules.sparse_zero``; a hit is a multiple of ``A`` and a cached state a block end), else 0 (none)."""
+    if interval is not None and interval > 0:
+        return interval
+    if interval is None or not rules.sparse_zero:
+        return max(sizes.alignment, block)
+    return 0
+
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
     """The Mamba states a request leaves: vLLM's bookkeeping, one state per Mamba block slot and one partial
     tail per request (vLLM ``MambaManager``).
@@ -1471,9 +1477,10 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     checkpoint is the resend's resume point (``boundaries[0]``), and the scheduler also ends a chunk at
     each retained state (``retained``, :func:`retained_stops`) and at every multiple of the interval (of
     ``max(A, b)`` when dense: ``next_mamba_state_boundary``) up to the extent, so those are states too: the
-    ``period``. With ``rules.mamba_inside_blocks`` (the reference), a Mamba group read at hash granularity
-    under ``RESUME`` keeps a state at each aligned boundary past ``start`` (inside a block too) and every
-    unit when dense, which vLLM's bookkeeping cannot.
+    ``period``. The reference keeps this bookkeeping too, on a Mamba group read at hash granularity as on
+    any other: a state inside a block is a partial tail, of which vLLM holds one per request, so a reference
+    that kept one at every retained point inside a block could not be enforced (and, measured, kept fewer
+    block-end states than vLLM's mask, so gave less than vLLM).
     """
     sg = sizes.groups[k]
     b = sg.block
@@ -1482,17 +1489,11 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     top = group_extent(sizes, k, n_tokens, chunked=False)
     aligned = tuple((x // sizes.alignment * sizes.alignment for x in boundaries))
     resume = rules.replay == Replay.RESUME
-    if resume and unit < b and rules.mamba_inside_blocks:
-        points = tuple((x if x > 0 and x > start and (x <= extent) else NO_STATE for x in aligned))
-        every = interval is None or (interval == 0 and (not rules.sparse_zero))
-        return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points, period=interval if interval is not None and interval > 0 else 0)
     every_block = interval is not None and interval > 0 and (interval // b <= 1)
     dense = interval is None or every_block or (interval == 0 and (not rules.sparse_zero))
     period = interval if interval is not None and interval > 0 and (not every_block) else 0
     if resume:
-        period = interval if interval is not None and interval > 0 else 0
-        if dense and period == 0:
-            period = max(sizes.alignment, b)
+        period = resume_period(sizes, b, interval, rules)
     ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules, retained)
     points = []
     for e in ends:

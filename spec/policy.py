@@ -92,10 +92,6 @@ class Rules:
             a shorter prompt that shares a cached block reaching past its ``N - 1`` misses it).
         record_junction: the declarative hit reports the shared prefix beyond it
             (:func:`shared_prefix_tokens`), so the write side keeps state at the junction.
-        mamba_inside_blocks: under ``Replay.RESUME`` a Mamba group read at hash granularity keeps a state
-            at each retained point inside a block too (the reference); otherwise vLLM's bookkeeping, one
-            state per Mamba block slot and one partial tail per request (``MambaManager``), which is what the
-            patched engine can do (:func:`~spec.retention.mamba_held`).
         lookahead_hashes: the engine has lookahead block hashes (vLLM 0.33 ``num_hash_lookahead_tokens``:
             ``VllmConfig.num_hash_lookahead_tokens``, ``get_request_block_hasher``'s third argument,
             ``Scheduler.__init__`` clearing ``use_eagle_block_drop``), so ``Mode.LOOKAHEAD`` is a setting of
@@ -133,7 +129,6 @@ class Rules:
     probe_past_max: bool = False
     reverify_after_shrink: bool = False
     record_junction: bool = True
-    mamba_inside_blocks: bool = False
     lookahead_hashes: bool = True
     junction_below: bool = True
 
@@ -142,7 +137,7 @@ class Rules:
         object.__setattr__(self, "junction", Junction(self.junction))
 
 
-REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME, mamba_inside_blocks=True)
+REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME)
 VLLM_0_33 = Rules("vllm_0_33")
 # vLLM 0.32.0: 0.33's read side (the same coordinators, loop, finders and alignment), without lookahead block
 # hashes and without the junction's lower boundary on the write side (docs/notes/vllm-0.32-policy.md, D1, D3).

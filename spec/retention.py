@@ -443,6 +443,18 @@ def ceil_to(x, unit: int):
     return cdiv(x, unit) * unit
 
 
+def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
+    """Under ``Replay.RESUME``, the step of the periodic states of a Mamba group of ``block`` tokens: the
+    scheduler ends a chunk at every multiple of it (vLLM, patched: ``next_mamba_state_boundary``): the
+    retention interval when positive, ``max(A, b)`` when dense (retention None, or 0 read as dense without
+    ``rules.sparse_zero``; a hit is a multiple of ``A`` and a cached state a block end), else 0 (none)."""
+    if interval is not None and interval > 0:
+        return interval
+    if interval is None or not rules.sparse_zero:
+        return max(sizes.alignment, block)
+    return 0
+
+
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
     """The Mamba states a request leaves: vLLM's bookkeeping, one state per Mamba block slot and one partial
     tail per request (vLLM ``MambaManager``).
@@ -456,9 +468,10 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     checkpoint is the resend's resume point (``boundaries[0]``), and the scheduler also ends a chunk at
     each retained state (``retained``, :func:`retained_stops`) and at every multiple of the interval (of
     ``max(A, b)`` when dense: ``next_mamba_state_boundary``) up to the extent, so those are states too: the
-    ``period``. With ``rules.mamba_inside_blocks`` (the reference), a Mamba group read at hash granularity
-    under ``RESUME`` keeps a state at each aligned boundary past ``start`` (inside a block too) and every
-    unit when dense, which vLLM's bookkeeping cannot.
+    ``period``. The reference keeps this bookkeeping too, on a Mamba group read at hash granularity as on
+    any other: a state inside a block is a partial tail, of which vLLM holds one per request, so a reference
+    that kept one at every retained point inside a block could not be enforced (and, measured, kept fewer
+    block-end states than vLLM's mask, so gave less than vLLM).
     """
     sg = sizes.groups[k]
     b = sg.block
@@ -469,23 +482,12 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     top = group_extent(sizes, k, n_tokens, chunked=False)
     aligned = tuple(floor_to(x, sizes.alignment) for x in boundaries)
     resume = rules.replay == Replay.RESUME
-    if resume and unit < b and rules.mamba_inside_blocks:
-        # Read at hash granularity: a state at every retained point, inside a block too (every unit when
-        # dense), which vLLM's one partial tail per request cannot keep. On vLLM's bookkeeping (below) a
-        # prompt sharing a prefix that ends inside a block finds no Mamba state inside the block and falls
-        # back to a block end (a_shared_prefix_is_kept_at_the_junction fails for vllm_0_33_repaired there).
-        points = tuple(ite(and_(and_(x > 0, x > start), x <= extent), x, NO_STATE) for x in aligned)
-        every = interval is None or (interval == 0 and not rules.sparse_zero)
-        return Held(kind=Kind.MAMBA, block=b, unit=unit, extent=extent, every=every, points=points,
-                    period=interval if (interval is not None and interval > 0) else 0)
     # vLLM's mask: every block when dense or when the interval is at most one block (vLLM returns None)
     every_block = interval is not None and interval > 0 and interval // b <= 1
     dense = interval is None or every_block or (interval == 0 and not rules.sparse_zero)
     period = interval if (interval is not None and interval > 0 and not every_block) else 0
     if resume:  # every multiple of the interval within the extent is a chunk end, so a state
-        period = interval if (interval is not None and interval > 0) else 0
-        if dense and period == 0:
-            period = max(sizes.alignment, b)
+        period = resume_period(sizes, b, interval, rules)
     ends = mamba_chunk_ends(sizes, n_tokens, b, start, junction, rules, retained)
     points = []
     for e in ends:

@@ -192,7 +192,7 @@ def _scenario(layout, speculation, retention, n):
 # retention stops every max(A, b) tokens, mamba_held), mamba_state_within_prefill_lookahead (no Mamba state
 # within Lp of the prompt end, group_extent), decoded_tail_past_the_token_limit (partial_tail_boundary's token
 # limit, decoded_tail) and mamba_state_inside_a_block (a Mamba group read at hash granularity: vllm_0_33_repaired
-# keeps vLLM's one partial tail per request, Rules.mamba_inside_blocks). One was the patch's:
+# keeps vLLM's one partial tail per request, spec.retention.mamba_held). One was the patch's:
 # mamba_partial_tail_within_prefill_lookahead (MambaManager.cache_blocks keys no prompt checkpoint within the
 # prefill lookahead of the prompt end, where no chunk ends and the running state is the whole prompt's).
 FORMER_DIVERGENCES = {

@@ -180,15 +180,30 @@ def _z3_matches_refimpl(setting, n, longer, policy, repeats):
         assert tuple(value(v) for v in result[:3]) == want[:3], (prompt, rgroups)
 
 
+def _fine_mamba(sizes):
+    """Whether a Mamba group is read at hash granularity: its states inside a block are partial tails, of which
+    vLLM, and so the reference, keeps one per request (the resend's)."""
+    return any(g.kind.value == "mamba" and g.fine for g in sizes.groups)
+
+
 @settings(max_examples=150, deadline=None)
 @given(setting=write_settings(), n=st.integers(1, 5000), longer=st.integers(1, 3000))
 def test_reference_write_side_invariants_hold_on_concrete_prompts(setting, n, longer):
+    """The resend and a longer prompt hit what every state retained gives; with a Mamba group read at hash
+    granularity only the resend (``test_with_one_partial_tail_a_longer_sibling_resumes_at_the_resends_point``);
+    not in the two settings the adapter leaves to vLLM: drop mode where only Mamba groups drop
+    (``test_where_only_mamba_drops_with_mtp_the_resend_point_is_never_computed``) and a Mamba group read at
+    hash granularity with multi-module MTP in drop mode (full 16 + Mamba 32, MTP 2, N = 33: 0 where every
+    state retained gives 16)."""
     layout, speculation, sizes, interval = setting
+    dropping = [g.kind.value for g in sizes.groups if g.drops]
+    assume(not (sizes.drop and dropping and set(dropping) == {"mamba"}))
+    assume(not (sizes.drop and sizes.prefill_lookahead >= 2 and _fine_mamba(sizes)))
     rules = refimpl.REFERENCE
     groups = refimpl.request_writes(sizes, n, interval, rules)
     kept = refimpl.written_cache(groups)
     dense = refimpl.written_cache(refimpl.dense_groups(sizes, n))
-    for prompt in (n, n + longer):
+    for prompt in (n,) if _fine_mamba(sizes) else (n, n + longer):
         assert refimpl.hit_tokens(kept, sizes, prompt, rules)[0] == refimpl.hit_tokens(dense, sizes, prompt, rules)[0]
     hits = refimpl.repeat_hits(sizes, n, interval, rules, 5)
     assert len(set(hits[1:])) == 1
@@ -197,6 +212,36 @@ def test_reference_write_side_invariants_hold_on_concrete_prompts(setting, n, lo
         for g in groups:
             if g.kind.value in ("swa", "mamba"):
                 assert refimpl.retained_states(g) <= refimpl.retention_bound(sizes, g, n, interval, boundaries)
+
+
+def test_with_one_partial_tail_a_longer_sibling_resumes_at_the_resends_point():
+    """Where the reference gives a longer sibling less than every state retained would (README, "Not proved"):
+    full attention 16 beside Mamba 32, read at 16-token hash units, dense retention. A prompt of 48 tokens
+    leaves the Mamba state at 32 (a block end) and one partial tail, at 32, where its resend resumes (47
+    floored); a sibling of 49 tokens would resume at 48, inside the second Mamba block, which no state
+    holds: it hits 32 where every state retained gives 48. vLLM keeps the same one tail per request."""
+    sizes = refimpl.derive_sizes(refimpl.Layout((refimpl.Group("full", 16), refimpl.Group("mamba", 32))),
+                                 refimpl.Speculation("none"))
+    rules = refimpl.REFERENCE
+    kept = refimpl.written_cache(refimpl.request_writes(sizes, 48, None, rules))
+    dense = refimpl.written_cache(refimpl.dense_groups(sizes, 48))
+    hits = [(refimpl.hit_tokens(kept, sizes, p, rules)[0], refimpl.hit_tokens(dense, sizes, p, rules)[0])
+            for p in (48, 49)]
+    assert hits == [(32, 32), (32, 48)]
+    stock = refimpl.written_cache(refimpl.request_writes(sizes, 48, None, refimpl.VLLM_0_33))
+    assert refimpl.hit_tokens(stock, sizes, 49, refimpl.VLLM_0_33)[0] == 32
+
+
+def test_where_only_mamba_drops_with_mtp_the_resend_point_is_never_computed():
+    """Where the adapter leaves a layout to vLLM (``engine.ONLY_MAMBA_DROPS``): one Mamba group of 16 tokens,
+    two MTP modules in drop mode, a prompt of 17. Its resend resumes at 16 with every state retained, but 16
+    lies within the prefill lookahead of the prompt end, where no chunk ends, so no state is ever computed
+    there and the resend hits 0 (README, "Not proved")."""
+    sizes = refimpl.derive_sizes(refimpl.Layout((refimpl.Group("mamba", 16),)),
+                                 refimpl.Speculation("drop", 2, True))
+    kept = refimpl.written_cache(refimpl.request_writes(sizes, 17, None, refimpl.REFERENCE))
+    dense = refimpl.written_cache(refimpl.dense_groups(sizes, 17))
+    assert [refimpl.hit_tokens(c, sizes, 17, refimpl.REFERENCE)[0] for c in (kept, dense)] == [0, 16]
 
 
 @settings(max_examples=100, deadline=None)
