@@ -93,9 +93,9 @@ from kvhit.refimpl import (
     group_extent,
     group_extents,
     hit_tokens,
-    read_unit,
     reference_pass,
     replay_boundaries,
+    resume_period,
 )
 
 from kvhit.refimpl.staging import SpecError, stage_hit_tokens
@@ -249,15 +249,16 @@ class WriteModel:
     def next_mamba_stop(self, n_tokens: int, start: int, end: int, junction: int = 0) -> int | None:
         """The first position strictly inside ``(start, end)`` where a Mamba group of the prompt keeps a
         state under the reference (``refimpl.mamba_held``): an aligned replay boundary or the request's
-        shared-prefix junction (``junction``, when positive), a multiple of the retention interval, or with
-        dense retention every unit; each at most the group's extent."""
+        shared-prefix junction (``junction``, when positive), or a multiple of the group's periodic step
+        (``refimpl.resume_period``: the retention interval, ``max(A, b)`` when dense); each at most the
+        group's extent."""
         a = self.sizes.alignment
         best = None
         at = self.boundaries(n_tokens) + ((junction,) if junction > 0 else ())
         for k in self.mamba_groups:
             extent = group_extent(self.sizes, k, n_tokens)
             candidates = [x // a * a for x in at]
-            step = read_unit(self.sizes, k) if self.retention is None else self.retention
+            step = resume_period(self.sizes, self.sizes.groups[k].block, self.retention, REFERENCE)
             if step:
                 candidates.append((start // step + 1) * step)
             for x in candidates:
@@ -268,6 +269,9 @@ class WriteModel:
 
 # Why a layout in drop mode whose every dropping group is a Mamba group is left to vLLM (:func:`_write_side`).
 ONLY_MAMBA_DROPS = "EAGLE drop mode in which only Mamba groups drop"
+# Why a layout with a Mamba group read at hash granularity, in EAGLE drop mode with a multi-module MTP drafter,
+# is left to vLLM (:func:`_write_side`).
+FINE_MAMBA_MTP_DROP = "a Mamba group read at hash granularity, in EAGLE drop mode with multi-module MTP"
 
 
 def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
@@ -284,10 +288,14 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
         check_retention(sizes, retention)
     except ValueError as e:
         return None, f"the spec's write side rejects it: {e}"
-    for k, sg in enumerate(sizes.groups):
-        if sg.kind is Kind.MAMBA and read_unit(sizes, k) != sg.block:
-            return None, ("a Mamba group read at hash granularity (partial hits): its states inside a block "
-                          "are partial tails, of which vLLM keeps one per request")
+    if sizes.drop and sizes.prefill_lookahead >= 2 and any(sg.kind is Kind.MAMBA and sg.fine
+                                                          for sg in sizes.groups):
+        return None, (f"{FINE_MAMBA_MTP_DROP}: the reference's write side there is not shown never below "
+                      "vLLM's (reference_never_below_vllm fails on concrete streams, e.g. qwen3next_pmu160 "
+                      "with the MTP layers in full attention, dense retention: prompts of 320, a 4162-token "
+                      "sibling, then one sharing 3157 of it hit 0, 0 under the reference, 0, 160 under vLLM), "
+                      "and where the Mamba group drops its caching calls end Lp - 1 tokens before the chunk, "
+                      "so no partial tail is kept at the resend's resume point")
     dropping = [sg.kind for sg in sizes.groups if sg.drops]
     if dropping and all(kind is Kind.MAMBA for kind in dropping):
         return None, (f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is "
@@ -1244,8 +1252,8 @@ class _Writing:
     num_prompt_tokens: int
 
 
-# Set while KVCacheCoordinator.cache_blocks or Scheduler._mamba_block_aligned_split runs for a request of a
-# coordinator whose write side kvhit enforces; the module functions vLLM calls by name inside them read it.
+# Set while KVCacheCoordinator.cache_blocks runs for a request of a coordinator whose write side kvhit
+# enforces; the module functions vLLM calls by name inside it read it.
 # Outside (KV connectors' copies, other callers) they are vLLM's.
 _writing: contextvars.ContextVar[_Writing | None] = contextvars.ContextVar("kvhit_writing", default=None)
 
@@ -1308,14 +1316,14 @@ def _write_fall_back(write: WriteModel, error: Exception) -> None:
 
 def enforced_writing() -> bool:
     """Whether vLLM is placing state for a request whose write side kvhit enforces (inside an enforced
-    ``KVCacheCoordinator.cache_blocks`` or ``Scheduler._mamba_block_aligned_split``): a version module's own
+    ``KVCacheCoordinator.cache_blocks``): a version module's own
     write-side seam (``v0_32.manager_cache_blocks``) asks this first."""
     return _writing.get() is not None
 
 
 def enforced_resend_boundary() -> int | None:
-    """What ``get_mamba_prefill_checkpoint_position`` answers, as the Mamba manager and the scheduler see it,
-    inside an enforced write: the reference resend boundary (where the prompt's Mamba state is kept). None
+    """What ``get_mamba_prefill_checkpoint_position`` answers, as the Mamba manager sees it, inside an
+    enforced write: the reference resend boundary (where the prompt's Mamba state is kept). None
     outside one, or if it fails (counted and logged): vLLM's answer. A version module's replacement of that
     function, whose signature is the release's, asks this first."""
     writing = _writing.get()
@@ -1332,20 +1340,17 @@ def mamba_block_aligned_split_seam(original: Callable) -> Callable:
 
     def mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
                                   num_external_computed_tokens: int = 0) -> int:
-        """``Scheduler._mamba_block_aligned_split``: vLLM's clipping with the reference prompt checkpoint,
-        then the chunk also ends at the first reference Mamba state inside it (``WriteModel.next_mamba_stop``),
-        so a state exists at every point the reference retains."""
+        """``Scheduler._mamba_block_aligned_split``: vLLM's clipping, its own stops included (the last
+        cacheable block boundary, vLLM's prompt checkpoints, the junction), as the spec's ``chunk_stops``
+        models them; then the chunk also ends at the first reference Mamba state inside it
+        (``WriteModel.next_mamba_stop``), so a state exists at every point the reference retains (vLLM,
+        patched: ``next_mamba_state_boundary``, one more of the scheduler's stops)."""
         manager = getattr(self, "kv_cache_manager", None)
         write = _write_model(getattr(manager, "coordinator", None))
+        num_new_tokens = original(self, request, num_new_tokens, num_new_local_computed_tokens,
+                                  num_external_computed_tokens)
         if write is None:
-            return original(self, request, num_new_tokens, num_new_local_computed_tokens,
-                            num_external_computed_tokens)
-        token = _writing.set(_Writing(write, request.num_prompt_tokens))
-        try:
-            num_new_tokens = original(self, request, num_new_tokens, num_new_local_computed_tokens,
-                                      num_external_computed_tokens)
-        finally:
-            _writing.reset(token)
+            return num_new_tokens
         try:
             start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
             if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
@@ -1584,7 +1589,6 @@ class Originals(NamedTuple):
     cache_blocks: Callable
     replay_boundaries: Callable
     manager_checkpoint: Callable
-    scheduler_checkpoint: Callable
     mamba_split: Callable
     get_new_blocks: Callable
     touch: Callable
@@ -1599,7 +1603,7 @@ def _shared_owners() -> Originals:
         (HybridKVCacheCoordinator, "find_longest_cache_hit_per_group"), (KVCacheCoordinator, "cache_blocks"),
         (kv_cache_coordinator, "replay_boundaries"),
         (single_type_kv_cache_manager, "get_mamba_prefill_checkpoint_position"),
-        (scheduler, "get_mamba_prefill_checkpoint_position"), (scheduler.Scheduler, "_mamba_block_aligned_split"),
+        (scheduler.Scheduler, "_mamba_block_aligned_split"),
         (BlockPool, "get_new_blocks"), (BlockPool, "touch"), (KVCacheCoordinator, "allocate_new_computed_blocks"))
 
 
@@ -1624,7 +1628,6 @@ def shared_seams(original: Originals, release: Release, stock_reason: Callable[[
         cache_blocks=coordinator_cache_blocks_seam(original.cache_blocks),
         replay_boundaries=coordinator_replay_boundaries_seam(original.replay_boundaries),
         manager_checkpoint=checkpoint_position(original.manager_checkpoint),
-        scheduler_checkpoint=checkpoint_position(original.scheduler_checkpoint),
         mamba_split=mamba_block_aligned_split_seam(original.mamba_split),
         get_new_blocks=block_pool_get_new_blocks_seam(original.get_new_blocks),
         touch=block_pool_touch_seam(original.touch),

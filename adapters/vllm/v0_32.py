@@ -20,7 +20,7 @@ same engine factories, plus one write-side seam of this release's own. What diff
   compares with, do not have it (:func:`stock_reachable_boundaries`).
 * **``get_mamba_prefill_checkpoint_position(num_tokens, hash_block_size, drop_eagle_block)``**: three
   parameters (``kv_cache_interface.py:1110``), imported by name at ``single_type_kv_cache_manager.py:38``
-  and ``sched/scheduler.py:60``.
+  (the Mamba manager's, which the seam replaces) and ``sched/scheduler.py:60`` (the scheduler's, left alone).
 * **No lookup cap below ``N - 1``**: ``KVCacheManager.get_computed_blocks(request)`` always looks up at
   ``request.num_tokens - 1`` (``kv_cache_manager.py:264``, ``:295``); 0.32's ``AuxOutputSchedulerConnector``
   has no ``max_cache_hit``. Auxiliary outputs still leave the layout to vLLM (:func:`scheduler_stock_reason`).
@@ -98,8 +98,8 @@ RELEASE = engine.Release(
 
 def _checkpoint_position(original: Callable) -> Callable:
     def get_mamba_prefill_checkpoint_position(num_tokens, hash_block_size, drop_eagle_block):
-        """``get_mamba_prefill_checkpoint_position`` (0.32's three parameters) as the Mamba manager and the
-        scheduler see it: inside an enforced write, the reference resend boundary, else vLLM's."""
+        """``get_mamba_prefill_checkpoint_position`` (0.32's three parameters) as the Mamba manager sees it:
+        inside an enforced write, the reference resend boundary, else vLLM's."""
         resend = engine.enforced_resend_boundary()
         if resend is not None:
             return resend

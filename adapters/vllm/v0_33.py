@@ -26,9 +26,10 @@ Seams (each restored by :func:`kvhit.adapters.vllm.uninstall`):
 * Write side (enforce, layouts with a ``WriteModel``): ``KVCacheCoordinator.cache_blocks`` (a wrapper
   marking the request being cached), the names it and ``MambaManager._cache_partial_tail_block`` call,
   ``kv_cache_coordinator.replay_boundaries`` and ``single_type_kv_cache_manager.
-  get_mamba_prefill_checkpoint_position``, and ``Scheduler._mamba_block_aligned_split`` with the
-  scheduler module's ``get_mamba_prefill_checkpoint_position``: state is kept at the reference's replay
-  boundaries and the scheduler ends a chunk at each Mamba state the reference keeps.
+  get_mamba_prefill_checkpoint_position`` (the Mamba prompt checkpoint, a partial tail when it lies inside a
+  block, is the reference's resume point), and ``Scheduler._mamba_block_aligned_split``, whose chunk also
+  ends at each Mamba state the reference keeps (vLLM's own stops, which the spec models, are kept): state is
+  kept at the reference's replay boundaries.
 * Eviction order (enforce, layouts with sliding-window or Mamba groups):
   ``BlockPool.get_new_blocks``, ``BlockPool.touch`` and ``KVCacheCoordinator.allocate_new_computed_blocks``:
   a block the reference write side caches beyond what vLLM's own would is evicted before any other cached
@@ -117,9 +118,8 @@ RELEASE = engine.Release(
 def _checkpoint_position(original: Callable) -> Callable:
     def get_mamba_prefill_checkpoint_position(num_tokens, hash_block_size, drop_eagle_block,
                                               num_hash_lookahead_tokens=0):
-        """``get_mamba_prefill_checkpoint_position`` as the Mamba manager and the scheduler see it: inside
-        an enforced write, the reference resend boundary (where the prompt's Mamba state is kept), else
-        vLLM's."""
+        """``get_mamba_prefill_checkpoint_position`` as the Mamba manager sees it: inside an enforced write,
+        the reference resend boundary (where the prompt's Mamba state is kept), else vLLM's."""
         resend = engine.enforced_resend_boundary()
         if resend is not None:
             return resend

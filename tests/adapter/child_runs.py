@@ -2,7 +2,8 @@
 enforce) in a fresh process, since vLLM loads kvhit's plugin once per process and stock must never import it.
 
 ``env`` is the child's environment, ``start`` starts one (``python -m MODULE ARGS...`` from the checkout),
-``collect`` waits for several and loads what each wrote.
+``collect`` waits for several and loads what each wrote; ``scheduler_modes`` runs scenarios of
+``tests/adapter/scheduler_run.py`` in several modes at once.
 """
 
 from __future__ import annotations
@@ -45,3 +46,21 @@ def collect(started: dict, timeout: int = 900) -> dict:
         with open(path) as f:
             results[name] = (json.load(f), log)
     return results
+
+
+def scheduler_modes(work, scenarios, modes) -> dict:
+    """``{mode: result}`` of ``tests/adapter/scheduler_run.py``'s ``scenarios`` (names), each mode of ``modes``
+    (``"stock"``: kvhit never imported; otherwise kvhit's mode, loaded through vLLM's plugin loader, with a
+    status file ``work/status-MODE.json``) in a process of its own, all started together; ``work`` holds the
+    model folders (``work/models``, written already) and the results."""
+    started = {}
+    args = [arg for name in scenarios for arg in ("--scenario", name)]
+    for mode in modes:
+        environment, extra = env(), []
+        if mode != "stock":
+            environment = env(mode, KVHIT_STATUS_FILE=str(work / f"status-{mode}.json"))
+            extra = ["--load-plugins"]
+        out = work / f"{mode}.json"
+        started[mode] = (out, start("tests.adapter.scheduler_run", [out, work / "models", *extra, *args],
+                                    environment))
+    return {mode: result for mode, (result, _) in collect(started).items()}

@@ -249,17 +249,23 @@ for _name, (_spec, _layers, _prompts) in _SHARED.items():
         SCENARIOS[f"{_name}-{_suffix}"] = (_target, _spec, _layers, 1600 if _target != "llama" else 16,
                                            _prompts)
         RETENTION[f"{_name}-{_suffix}"] = _retention
-# Layouts whose write side the spec does not model, which kvhit leaves wholly to vLLM: Mamba read at hash
-# granularity, by prefix_match_unit 160 (the catalogue's qwen3next_pmu160) or by a sliding window of block 160
-# (three_kind). A prompt, its resend twice, a longer sibling (the prompt and 1090 tokens more), two prompts
-# sharing its first 6000 tokens, and the prompt once more.
-_UNMODELLED_STREAM = ((11910, 11910, 0),) * 3 + ((13000, 11910, 1), (11910, 6000, 2), (11910, 6000, 3),
+# Mamba read at hash granularity (its states inside a block are partial tails), by prefix_match_unit 160 (the
+# catalogue's qwen3next_pmu160) or by a sliding window of block 160 (three_kind), with the MTP layers in the
+# full-attention group: with one MTP module in drop mode enforced (tests/adapter/test_fine_mamba.py), with two
+# left wholly to vLLM (tests/adapter/test_whole_layout_stock.py). A prompt, its resend twice, a longer sibling
+# (the prompt and 1090 tokens more), two prompts sharing its first 6000 tokens, and the prompt once more.
+_FINE_MAMBA_STREAM = ((11910, 11910, 0),) * 3 + ((13000, 11910, 1), (11910, 6000, 2), (11910, 6000, 3),
                                                   (11910, 11910, 0))
 _MTP2_DROP = {"method": "mtp", "num_speculative_tokens": 2, "disable_lookahead_block_hashes": True}
-SCENARIOS["pmu160-mtp2-drop"] = ("nemotron_h_mtp", _MTP2_DROP, nemotron_h_mtp_layers, 1600, _UNMODELLED_STREAM)
+SCENARIOS["pmu160-mtp2-drop"] = ("nemotron_h_mtp", _MTP2_DROP, nemotron_h_mtp_layers, 1600, _FINE_MAMBA_STREAM)
 SCENARIOS["three-kind-mtp2-drop"] = ("nemotron_h_mtp", _MTP2_DROP, nemotron_h_mtp_swa_layers, 1600,
-                                     _UNMODELLED_STREAM)
-PREFIX_MATCH_UNIT = {"pmu160-mtp2-drop": 160}  # scenario -> CacheConfig.prefix_match_unit (None when absent)
+                                     _FINE_MAMBA_STREAM)
+_MTP1_DROP = {"method": "mtp", "num_speculative_tokens": 1, "disable_lookahead_block_hashes": True}
+SCENARIOS["pmu160-mtp1-drop"] = ("nemotron_h_mtp", _MTP1_DROP, nemotron_h_mtp_layers, 1600, _FINE_MAMBA_STREAM)
+SCENARIOS["three-kind-mtp1-drop"] = ("nemotron_h_mtp", _MTP1_DROP, nemotron_h_mtp_swa_layers, 1600,
+                                     _FINE_MAMBA_STREAM)
+# scenario -> CacheConfig.prefix_match_unit (None when absent)
+PREFIX_MATCH_UNIT = {"pmu160-mtp2-drop": 160, "pmu160-mtp1-drop": 160}
 # A modelled layout (eagle-drop's, where enforce and stock differ) under a scheduler with a KV connector, which
 # leaves it wholly to vLLM too: vLLM's ExampleConnector, reading a shared folder that holds nothing, so it
 # never adds a token (vLLM builds a KV connector with a hybrid layout only for connectors that support one).

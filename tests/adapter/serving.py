@@ -33,6 +33,7 @@ BUDGETS = (2048, 8192)
 _EAGLE1_DROP = {"method": "eagle", "model": "llama_eagle_draft", "num_speculative_tokens": 1,
                 "disable_lookahead_block_hashes": True}
 _MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
+_MTP1_DROP = {"method": "mtp", "num_speculative_tokens": 1, "disable_lookahead_block_hashes": True}
 
 
 def catalogue_layers(name: str) -> Callable:
@@ -123,6 +124,21 @@ CASES = {
         1600), 4800, (1000, 6500)),
     "qwen3next-mtp2-lookahead": Case("qwen3next", "lookahead", 2, True, SchedulerSetup(
         "nemotron_h_mtp", _MTP2, scheduler_run.nemotron_h_mtp_layers, 1600), 4800, (1000, 6500)),
+    # The same read at hash granularity (the catalogue's qwen3next_pmu160: prefix_match_unit 160), and with a
+    # sliding window of block 160 beside it (three_kind): Mamba states inside a block are partial tails. One
+    # MTP module in drop mode, two with lookahead hashes (two in drop mode are left to vLLM).
+    "qwen3next_pmu160-mtp1-drop": Case("qwen3next_pmu160", "drop", 1, False, SchedulerSetup(
+        "nemotron_h_mtp", _MTP1_DROP, scheduler_run.nemotron_h_mtp_layers, 1600, prefix_match_unit=160),
+        4800, (1000, 6500), soak_streams=3),
+    "qwen3next_pmu160-mtp2-lookahead": Case("qwen3next_pmu160", "lookahead", 2, True, SchedulerSetup(
+        "nemotron_h_mtp", _MTP2, scheduler_run.nemotron_h_mtp_layers, 1600, prefix_match_unit=160),
+        4800, (1000, 6500), soak_streams=3),
+    "three_kind-mtp1-drop": Case("three_kind", "drop", 1, False, SchedulerSetup(
+        "nemotron_h_mtp", _MTP1_DROP, scheduler_run.nemotron_h_mtp_swa_layers, 1600), 4800, (1000, 6500),
+        soak_streams=3),
+    "three_kind-mtp2-lookahead": Case("three_kind", "lookahead", 2, True, SchedulerSetup(
+        "nemotron_h_mtp", _MTP2, scheduler_run.nemotron_h_mtp_swa_layers, 1600), 4800, (1000, 6500),
+        soak_streams=3),
     # DeepSeek-V4 as vLLM 0.33 builds it on CUDA: MLA 256 (three compressions), SWA-MLA 64 holding the MTP
     # layer (the EAGLE group), SWA-MLA 8 and 4; one draft token, drop mode
     "dsv4_cuda-drop": Case("dsv4_cuda", "drop", 1, False,
@@ -201,14 +217,17 @@ def lookup_problems(coordinator, hash_block: int, block_hashes: Sequence, max_ca
     """Why the blocks a ``find_longest_cache_hit`` returned cannot serve ``hit`` tokens (empty if they can).
 
     The hit is in ``[0, max_cache_hit_length]`` (``N - 1``) and within the hashes. In every KV-cache group
-    (effective block ``b``), each non-null block at index ``i`` is a cached block whose hash is the
-    request's at the boundary ``x`` it covers (``block_hash_num_tokens``, else ``(i + 1) * b``), with
-    ``i*b < x <= (i + 1)*b``. The groups' blocks serve the hit: full attention returns ``cdiv(hit, b)``
-    blocks, none null, each covering ``min((i + 1) * b, hit)``; a sliding window returns ``hit / b`` blocks
-    whose last ``cdiv(W - 1, b)`` are not null and cover their blocks; Mamba returns ``cdiv(hit, b)`` blocks
-    whose last is not null and holds the state at ``hit`` exactly; with a zero hit, no blocks.
+    (effective block ``b``), each non-null block at index ``i`` is a cached block that the pool reaches from
+    the request's hash at the boundary ``x = min((i + 1) * b, hit)`` it must vouch for, or for attention at a
+    later boundary within the block (block hashes chain, so a block holding the request's tokens up to there
+    holds them up to ``x``: an EAGLE lookup finds the block past the hit, then drops); the key is its primary
+    one or a partial entry inside the block (``BlockPool.cache_partial_block``). A Mamba block holds the
+    state at ``x`` only when keyed there exactly. The groups' blocks serve the hit: full attention returns
+    ``cdiv(hit, b)`` blocks, none null; a sliding window returns ``hit / b`` blocks whose last
+    ``cdiv(W - 1, b)`` are not null; Mamba returns ``cdiv(hit, b)`` blocks whose last is not null (and so
+    holds the state at ``hit`` exactly); with a zero hit, no blocks.
     """
-    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+    from vllm.v1.core.kv_cache_utils import get_group_id, make_block_hash_with_group_id
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     try:
@@ -221,20 +240,23 @@ def lookup_problems(coordinator, hash_block: int, block_hashes: Sequence, max_ca
         problems.append(f"hit {hit} outside [0, N - 1 = {max_cache_hit_length}]")
     if hit > len(block_hashes) * hash_block:
         problems.append(f"hit {hit} past the {len(block_hashes)} hashes of {hash_block} tokens")
+    reaches = coordinator.block_pool.cached_block_hash_to_block.contain
     for g, (group_blocks, manager) in enumerate(zip(blocks, coordinator.single_type_managers)):
         b = manager.block_size
         spec = manager.kv_cache_spec
-        covered = []  # per block: the boundary it covers, or None for a null block
+        covered = []  # per block: the boundary it vouches for, or None for a null block
         for i, block in enumerate(group_blocks):
             if block.is_null:
                 covered.append(None)
                 continue
             key = block.block_hash
-            x = block.block_hash_num_tokens or (i + 1) * b if key is not None else None
+            x = min((i + 1) * b, hit)
             if key is None or get_group_id(key) != g:
                 problems.append(f"group {g}: block {block.block_id} at index {i} is not cached for this group")
-            elif not (i * b < x <= (i + 1) * b and x % hash_block == 0 and x // hash_block <= len(block_hashes)
-                      and get_block_hash(key) == block_hashes[x // hash_block - 1]):
+            elif not (i * b < x and x % hash_block == 0 and any(
+                    reaches(make_block_hash_with_group_id(block_hashes[y // hash_block - 1], g), block.block_id)
+                    for y in range(x, x + 1 if isinstance(spec, MambaSpec) else (i + 1) * b + 1, hash_block)
+                    if y // hash_block <= len(block_hashes))):
                 problems.append(f"group {g}: block {block.block_id} at index {i} (covering {x}) does not carry "
                                 f"the request's hash there")
             covered.append(x)

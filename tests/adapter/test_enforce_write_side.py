@@ -27,6 +27,8 @@ LAYOUTS = [
     ("llama_eagle", (1, 2, 4), (1000, 1024)),
     ("gemma", (1,), (1000, 704)),
     ("qwen3next", (1, 2, 4), (11910, 8000)),
+    ("qwen3next_pmu160", (1,), (11910, 8000)),
+    ("three_kind", (1,), (11910, 8000)),
     ("dsv4_cuda", (1,), (3000, 2816)),
     ("dsv4_report", (1,), (46240,)),
 ]
@@ -53,6 +55,12 @@ def _cases():
         for retention in _retentions("qwen3next"):
             yield pytest.param("qwen3next", 1, (11910, 8000), mode, 2, retention,
                                id=f"qwen3next-dcp1-{mode}-mtp2-ri{retention}")
+    # With a Mamba group read at hash granularity, multi-module MTP only with lookahead hashes: in drop mode
+    # the layout is left to vLLM (test_mamba_read_at_hash_granularity_with_mtp_drop_is_left_wholly_to_vllm).
+    for name in ("qwen3next_pmu160", "three_kind"):
+        for retention in _retentions(name):
+            yield pytest.param(name, 1, (11910, 8000), "lookahead", 2, retention,
+                               id=f"{name}-dcp1-lookahead-mtp2-ri{retention}")
 
 
 def _harness(name, dcp, n, mode, k=1, retention=0):
@@ -187,16 +195,19 @@ def test_off_and_shadow_leave_the_write_side_stock(name, n, mode, k, retention):
         assert enforced != stock  # the comparison can fail: enforce does change these
 
 
-def test_mamba_read_at_hash_granularity_is_left_wholly_to_vllm(kvhit_log):
-    """qwen3next with prefix_match_unit 160 reads Mamba states inside blocks (partial tails, one per
-    request in vLLM), a write side the spec does not model: the whole layout is left to vLLM, said once in
-    the log, and the chunks, the cache left and the hits are vLLM's."""
-    stock = _stock_run("qwen3next_pmu160", 11910, "drop", 1, 0)
+def test_mamba_read_at_hash_granularity_with_mtp_drop_is_left_wholly_to_vllm(kvhit_log):
+    """qwen3next with prefix_match_unit 160 and MTP 2 in drop mode (``engine.FINE_MAMBA_MTP_DROP``: the
+    reference's write side is not shown never below vLLM's there). The whole layout is left to vLLM, said
+    once in the log, and the chunks, the cache left and the hits are vLLM's. With one drafted token the same
+    layout is enforced (``test_enforce_write_side_leaves_the_reference_cache_and_repeats_are_stable``)."""
+    stock = _stock_run("qwen3next_pmu160", 11910, "drop", 2, 0)
     assert kvhit_vllm.install("enforce")
-    harness = _harness("qwen3next_pmu160", 1, 11910, "drop", 1, 0)
+    harness = _harness("qwen3next_pmu160", 1, 11910, "drop", 2, 0)
     assert engine._models[harness.manager.coordinator] is None
-    assert [r.getMessage() for r in kvhit_log.records if "not model its write side" in r.getMessage()]
-    assert _stock_run("qwen3next_pmu160", 11910, "drop", 1, 0) == stock
+    notes = [r.getMessage() for r in kvhit_log.records if "not model its write side" in r.getMessage()]
+    assert notes and engine.FINE_MAMBA_MTP_DROP in notes[0], notes
+    assert _stock_run("qwen3next_pmu160", 11910, "drop", 2, 0) == stock
+    assert engine._models[_harness("qwen3next_pmu160", 1, 11910, "drop", 1, 0).manager.coordinator] is not None
 
 
 def test_write_side_failure_is_answered_by_vllm_and_counted(monkeypatch):

@@ -41,7 +41,6 @@ def test_seams_are_the_narrow_lookup_points_of_vllm_0_33():
         ("KVCacheCoordinator", "cache_blocks"),
         (coordinator.__name__, "replay_boundaries"),
         (single_type.__name__, "get_mamba_prefill_checkpoint_position"),
-        (scheduler.__name__, "get_mamba_prefill_checkpoint_position"),
         ("Scheduler", "_mamba_block_aligned_split"),
         # the eviction order
         ("BlockPool", "get_new_blocks"),

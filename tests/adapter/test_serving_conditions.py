@@ -2,8 +2,9 @@
 
 For every modelled catalogue layout of ``tests.adapter.serving.CASES`` (plain full attention, with an EAGLE
 draft, ``llama_eagle`` at DCP 2, ``gemma``, ``qwen3next`` with two MTP modules in drop and lookahead mode,
-``dsv4_cuda`` and ``dsv4_report``), token budgets 2048 and 8192 (which cut the prefill chunks of these
-prompts), and two conditions (``serving.CONDITIONS``):
+``qwen3next_pmu160`` and ``three_kind`` (Mamba read at hash granularity) with one MTP module in drop mode and
+two in lookahead mode, ``dsv4_cuda`` and ``dsv4_report``), token budgets 2048 and 8192 (which cut
+the prefill chunks of these prompts), and two conditions (``serving.CONDITIONS``):
 
 * ``concurrent``: a sibling sharing the system prompt arrives while the first prompt is in prefill; then
   the first prompt twice, a longer sibling, and the sibling again;
@@ -48,7 +49,17 @@ EXPECTED_DIFFERENCES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = 
         "full-attention blocks 1600..9600, held until b ends, survive. The first repeat finds no state and "
         "hits 0, keeps the state, and the second hits 9600: stock alike. The write model assumes nothing is "
         "evicted."),
+    "three_kind-mtp1-drop/preempting/2048": (
+        (8000, 10880), (8000, 10880),
+        "b (11197 tokens) is preempted and resumes, on the pool at the stream's peak less one block. When its "
+        "first repeat looks up, the pool holds the Mamba states at 10880 and full attention up to 11040, but of "
+        "the four 160-token sliding-window blocks (window 512) before 10880 only 10720 and 10880: vLLM frees a "
+        "sliding-window block as soon as the window passes it, and the allocations that followed evicted 10400 "
+        "and 10560. The first repeat hits 8000 and keeps them again, and the second hits 10880: stock alike. "
+        "The write model assumes nothing is evicted."),
 }
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{mode: result}``, each mode in a process of its own, two at a time (the machines have 2 cores)."""
@@ -104,7 +115,8 @@ def test_the_scheduler_builds_the_catalogue_layout(runs, case):
     speculation = serving.speculation_of(serving.CASES[case])
     planned = R.derive_sizes(serving.planned_layout(run), speculation)
     catalogue = to_refimpl(CATALOGUE[serving.CASES[case].catalogue])
-    catalogue = R.Layout(catalogue.groups, dcp=run["scheduler"]["dcp"])
+    catalogue = R.Layout(catalogue.groups, dcp=run["scheduler"]["dcp"],
+                         prefix_match_unit=catalogue.prefix_match_unit)
     want = R.derive_sizes(catalogue, speculation)
     assert (planned.scheduler_block, planned.hash_block, planned.alignment) == (
         want.scheduler_block, want.hash_block, want.alignment)

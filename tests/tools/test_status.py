@@ -186,8 +186,8 @@ def test_an_unmodelled_layout_says_why_it_is_stock(tmp_path, capsys):
 def test_a_layout_whose_write_side_is_not_modelled_is_shown_wholly_stock(tmp_path, capsys):
     """What the plugin writes for qwen3next_pmu160 (tests/adapter/test_whole_layout_stock.py)."""
     why = ("full1600e+mamba1600 pmu160 drop Lp=2 mtp2: the spec does not model its write side (a Mamba group "
-           "read at hash granularity (partial hits): ...); kvhit does not enforce a read side without its write "
-           "side")
+           "read at hash granularity, in EAGLE drop mode with multi-module MTP: ...); kvhit does not enforce a "
+           "read side without its write side")
     code, out, _ = _run(capsys, "--status-file", _file(tmp_path, dict(UNMODELLED, mode="enforce", unmodelled=why)))
     assert code == 0 and f"layout: not modelled, left to vLLM: {why}" in out
     assert f"every lookup and write on this layout: not modelled ({why})" in out and "write side:" not in out
