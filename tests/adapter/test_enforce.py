@@ -104,6 +104,7 @@ def test_enforce_hit_is_the_reference_hit_on_request_streams(name, dcp, n, mode,
     harness = _harness(name, dcp, n, mode, k, retention)
     model = engine._models[harness.manager.coordinator]
     assert model is not None, "catalogue layouts are modelled"
+    fallbacks = _fallbacks(model.label)  # the counter is the process's: other tests may have counted before
     layout, spec = refimpl_layout(name, dcp), speculation(mode, k, k > 1)
     rng = random.Random(f"{name}/{dcp}/{mode}/{k}/{retention}")
     S = harness.sizes["S"]
@@ -130,7 +131,7 @@ def test_enforce_hit_is_the_reference_hit_on_request_streams(name, dcp, n, mode,
     harness.serve(extension)
     for what, tokens in (("second repeat", base), ("extension repeat", extension)):
         _check_probe(harness, layout, spec, tokens, what)
-    assert _fallbacks(model.label) == 0
+    assert _fallbacks(model.label) == fallbacks
 
 
 def test_enforce_keeps_the_eagle_block_the_unitary_coordinator_drops():
