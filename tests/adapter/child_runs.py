@@ -51,8 +51,11 @@ def collect(started: dict, timeout: int = 900) -> dict:
 def scheduler_modes(work, scenarios, modes) -> dict:
     """``{mode: result}`` of ``tests/adapter/scheduler_run.py``'s ``scenarios`` (names), each mode of ``modes``
     (``"stock"``: kvhit never imported; otherwise kvhit's mode, loaded through vLLM's plugin loader, with a
-    status file ``work/status-MODE.json``) in a process of its own, all started together; ``work`` holds the
-    model folders (``work/models``, written already) and the results."""
+    status file ``work/status-MODE.json``) in a process of its own, all started together; ``work`` (a
+    ``pathlib.Path``) gets the model folders (``work/models``) and the results."""
+    from tests.adapter import scheduler_run
+
+    scheduler_run.write_models(str(work / "models"))
     started = {}
     args = [arg for name in scenarios for arg in ("--scenario", name)]
     for mode in modes:
@@ -64,3 +67,8 @@ def scheduler_modes(work, scenarios, modes) -> dict:
         started[mode] = (out, start("tests.adapter.scheduler_run", [out, work / "models", *extra, *args],
                                     environment))
     return {mode: result for mode, (result, _) in collect(started).items()}
+
+
+def served_hits(result: dict, scenario: str) -> list[int]:
+    """Every request's hit (``num_cached_tokens``) in ``scenario`` of a :func:`scheduler_modes` result."""
+    return [served["num_cached_tokens"] for served in result["scenarios"][scenario]["served"]]

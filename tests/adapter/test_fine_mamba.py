@@ -23,7 +23,7 @@ import json
 import pytest
 
 import kvhit.refimpl as R
-from tests.adapter import child_runs, scheduler_run
+from tests.adapter import child_runs
 from tests.adapter.layouts import refimpl_layout, speculation
 
 # scenario -> the catalogue layout it is
@@ -39,13 +39,10 @@ STOCK = {"pmu160-mtp1-drop": [0, 11680, 11680, 11680, 0, 3200, 11680],
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{mode: result}`` of the scenarios, each mode in a process of its own, started together."""
-    work = tmp_path_factory.mktemp("fine_mamba")
-    scheduler_run.write_models(str(work / "models"))
-    return child_runs.scheduler_modes(work, SCENARIOS, MODES)
+    return child_runs.scheduler_modes(tmp_path_factory.mktemp("fine_mamba"), SCENARIOS, MODES)
 
 
-def _hits(result, scenario):
-    return [served["num_cached_tokens"] for served in result["scenarios"][scenario]["served"]]
+_hits = child_runs.served_hits
 
 
 def _sizes(run, scenario):

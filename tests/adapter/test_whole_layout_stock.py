@@ -28,7 +28,7 @@ import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
 import tests.conformance.vllm_harness as vllm_harness
 from kvhit.adapters.vllm import engine, v0_33
-from tests.adapter import child_runs, scheduler_run
+from tests.adapter import child_runs
 from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 from tests.conformance.vllm_harness import VllmHarness
 
@@ -46,13 +46,10 @@ MODES = ("stock", "shadow", "enforce")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{mode: result}`` of the scenarios above, each mode in a process of its own, started together."""
-    work = tmp_path_factory.mktemp("whole_layout_stock")
-    scheduler_run.write_models(str(work / "models"))
-    return child_runs.scheduler_modes(work, SCENARIOS, MODES)
+    return child_runs.scheduler_modes(tmp_path_factory.mktemp("whole_layout_stock"), SCENARIOS, MODES)
 
 
-def _hits(result, scenario):
-    return [served["num_cached_tokens"] for served in result["scenarios"][scenario]["served"]]
+_hits = child_runs.served_hits
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
