@@ -4,8 +4,8 @@ prover lowers to Z3) with the generated ``refimpl`` on random prompts and shared
 the write side's default domain and over every extended configuration with a Mamba group read at hash
 granularity (on DeepSeek-V4 the reference does not keep vLLM's lower EAGLE boundaries, see
 ``kvhit.spec.retention.replay_boundaries``), the junction claim over the extended one (every layout with a
-sliding-window or Mamba group, every DCP size and retention interval) but where such a Mamba group sits in
-drop mode."""
+sliding-window or Mamba group, every DCP size and retention interval) but where it is known lost
+(``_junction_lost``: such a Mamba group in drop mode, or beside a full-attention group of a finer block)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
