@@ -74,6 +74,25 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return rng.choices(TOKEN_IDS, k=n)
 
 
+def s1_excess(case: serving.Case, n: int) -> int:
+    """How many tokens past a hash boundary a prompt of ``n`` tokens ends, when that is fewer than the prefill
+    lookahead ``Lp`` on a case with partial hash hits, a Mamba group and ``Lp >= 2``, else 0. vLLM 0.33 never
+    finishes such a prefill (docs/findings.md, S1: the scheduler must stop a chunk at a hash-unit stop within
+    ``Lp`` of the prompt end, and keeps ``Lp`` tokens back), stock and enforce alike, so the soak's prompts
+    end elsewhere (one such stream, ``qwen3next_pmu160`` with a 9601-token prompt, once stopped the soak in
+    every mode). The scheduler's stops are all multiples of the hash unit there."""
+    import kvhit.refimpl as R
+    from kvhit.convert import to_refimpl
+    from kvhit.spec.catalogue import CATALOGUE
+
+    sizes = R.derive_sizes(to_refimpl(CATALOGUE[case.catalogue]), serving.speculation_of(case))
+    if not (sizes.partial_hits and sizes.prefill_lookahead >= 2
+            and any(g.kind is R.Kind.MAMBA for g in sizes.groups)):
+        return 0
+    excess = n % sizes.hash_block
+    return excess if 0 < excess < sizes.prefill_lookahead else 0
+
+
 def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arrival]:
     """One random stream of requests (see the module docstring)."""
     systems = [tokens(rng, max(1, case.system + rng.randrange(-case.system // 4, case.system // 4)))
@@ -98,6 +117,7 @@ def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arri
                 cut = rng.randint(len(base) // 3, len(base) - 1)
                 toks = base[:cut] + tuple(tokens(rng, rng.randint(1, len(base) - cut + 500)))
         toks = toks[:case.max_prompt]
+        toks = toks[:len(toks) - s1_excess(case, len(toks))]
         key = next((k for k, t in prompts if t == toks), None)
         if key is None:
             key = f"{tag}/p{len(prompts)}"
@@ -213,8 +233,12 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
             for k in range(case.soak_streams):
                 tag = f"c{config}s{k}"
                 hashes: dict = {}
-                served = serving.serve_stream(scheduler, block_hasher, random_stream(rng, case, tag), observer,
-                                              keep_hashes=hashes)
+                stream = random_stream(rng, case, tag)
+                try:
+                    served = serving.serve_stream(scheduler, block_hasher, stream, observer, keep_hashes=hashes)
+                except RuntimeError as e:  # a stream vLLM never finishes: say which, with its prompt lengths
+                    raise RuntimeError(f"{e}: stream {tag} of {name} at budget {budget}, {condition[2]} pool, "
+                                       f"prompts {[len(a.tokens) for a in stream]}") from e
                 requests += len(served)
                 row.streams += 1
                 row.preemptions += sum(s["preemptions"] for s in served)
