@@ -74,10 +74,10 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return rng.choices(TOKEN_IDS, k=n)
 
 
-def s1_excess(case: serving.Case, n: int) -> int:
-    """How many tokens past a hash boundary a prompt of ``n`` tokens ends, when that is fewer than the prefill
-    lookahead ``Lp`` on a case with partial hash hits, a Mamba group and ``Lp >= 2``, else 0. vLLM 0.33 never
-    finishes such a prefill (docs/findings.md, S1: the scheduler must stop a chunk at a hash-unit stop within
+def s1_unit(case: serving.Case) -> tuple[int, int] | None:
+    """``(h, Lp)`` when the case has partial hash hits, a Mamba group and a prefill lookahead ``Lp >= 2``, else
+    None. vLLM 0.33 never finishes a prefill there whose prompt ends 1 to ``Lp - 1`` tokens past a multiple of
+    the hash unit ``h`` (docs/findings.md, S1: the scheduler must stop a chunk at a hash-unit stop within
     ``Lp`` of the prompt end, and keeps ``Lp`` tokens back), stock and enforce alike, so the soak's prompts
     end elsewhere (one such stream, ``qwen3next_pmu160`` with a 9601-token prompt, once stopped the soak in
     every mode). The scheduler's stops are all multiples of the hash unit there."""
@@ -86,15 +86,14 @@ def s1_excess(case: serving.Case, n: int) -> int:
     from kvhit.spec.catalogue import CATALOGUE
 
     sizes = R.derive_sizes(to_refimpl(CATALOGUE[case.catalogue]), serving.speculation_of(case))
-    if not (sizes.partial_hits and sizes.prefill_lookahead >= 2
-            and any(g.kind is R.Kind.MAMBA for g in sizes.groups)):
-        return 0
-    excess = n % sizes.hash_block
-    return excess if 0 < excess < sizes.prefill_lookahead else 0
+    if sizes.partial_hits and sizes.prefill_lookahead >= 2 and any(g.kind is R.Kind.MAMBA for g in sizes.groups):
+        return sizes.hash_block, sizes.prefill_lookahead
+    return None
 
 
 def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arrival]:
     """One random stream of requests (see the module docstring)."""
+    s1 = s1_unit(case)
     systems = [tokens(rng, max(1, case.system + rng.randrange(-case.system // 4, case.system // 4)))
                for _ in range(2)]
     prompts: list[tuple[str, tuple]] = []  # (key, tokens), in order of first use
@@ -117,7 +116,8 @@ def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arri
                 cut = rng.randint(len(base) // 3, len(base) - 1)
                 toks = base[:cut] + tuple(tokens(rng, rng.randint(1, len(base) - cut + 500)))
         toks = toks[:case.max_prompt]
-        toks = toks[:len(toks) - s1_excess(case, len(toks))]
+        if s1 is not None and 0 < len(toks) % s1[0] < s1[1]:  # S1's lengths (s1_unit)
+            toks = toks[:len(toks) - len(toks) % s1[0]]
         key = next((k for k, t in prompts if t == toks), None)
         if key is None:
             key = f"{tag}/p{len(prompts)}"
