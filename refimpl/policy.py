@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 867d3764a0c74c7e5f1b42a9fa2accddf8c1c94a02ef7b1710b01dd2e5cacdaf
-output-sha256: 6dda3b0db6c38c73efca2096268b7a66db36bae3d04b69ea1ff1f7d9415db97d
+spec-sha256: 82de868e9be3e05f39e3b009958d9c2f74a027093e58248c5991dd463df4ebdc
+output-sha256: ed67108717a2016207bb41e74b93f46156c413ed22c5e6b288693cf799a3bf28
 """
 
 import itertools
@@ -1452,6 +1452,11 @@ def mamba_chunk_ends(sizes: Sizes, n_tokens, block: int, start, junction, rules:
 def ceil_to(x, unit: int):
     """``x`` rounded up to a multiple of ``unit``."""
     return -(-x // unit) * unit
+
+def mamba_at_hash_granularity(sizes: Sizes) -> bool:
+    """Whether a Mamba group is read at hash granularity (its hits may end inside a block): its states inside a
+    block are partial tails, of which vLLM, and so the reference (:func:`mamba_held`), keeps one per request."""
+    return any((sg.kind is Kind.MAMBA and sg.fine for sg in sizes.groups))
 
 def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
     """Under ``Replay.RESUME``, the step of the periodic states of a Mamba group of ``block`` tokens: the

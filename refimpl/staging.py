@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 867d3764a0c74c7e5f1b42a9fa2accddf8c1c94a02ef7b1710b01dd2e5cacdaf
+spec-sha256: 82de868e9be3e05f39e3b009958d9c2f74a027093e58248c5991dd463df4ebdc
 output-sha256: fc13eaae0ea50662045b0529e9ab31d6734a434cf9036abca9fba7dafa626f03
 """
 

@@ -443,6 +443,12 @@ def ceil_to(x, unit: int):
     return cdiv(x, unit) * unit
 
 
+def mamba_at_hash_granularity(sizes: Sizes) -> bool:
+    """Whether a Mamba group is read at hash granularity (its hits may end inside a block): its states inside a
+    block are partial tails, of which vLLM, and so the reference (:func:`mamba_held`), keeps one per request."""
+    return any(sg.kind is Kind.MAMBA and sg.fine for sg in sizes.groups)
+
+
 def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
     """Under ``Replay.RESUME``, the step of the periodic states of a Mamba group of ``block`` tokens: the
     scheduler ends a chunk at every multiple of it (vLLM, patched: ``next_mamba_state_boundary``): the

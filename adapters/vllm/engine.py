@@ -93,6 +93,7 @@ from kvhit.refimpl import (
     group_extent,
     group_extents,
     hit_tokens,
+    mamba_at_hash_granularity,
     reference_pass,
     replay_boundaries,
     resume_period,
@@ -288,8 +289,7 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
         check_retention(sizes, retention)
     except ValueError as e:
         return None, f"the spec's write side rejects it: {e}"
-    if sizes.drop and sizes.prefill_lookahead >= 2 and any(sg.kind is Kind.MAMBA and sg.fine
-                                                          for sg in sizes.groups):
+    if sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes):
         return None, (f"{FINE_MAMBA_MTP_DROP}: the reference's write side there is not shown never below "
                       "vLLM's (reference_never_below_vllm fails on concrete streams, e.g. qwen3next_pmu160 "
                       "with the MTP layers in full attention, dense retention: prompts of 320, a 4162-token "

@@ -16,6 +16,7 @@ from kvhit.proofs.retention import a_shared_prefix_is_kept_at_the_junction, refe
 from kvhit.spec.catalogue import CATALOGUE
 from kvhit.spec.domain import Group, Kind, Layout, Mode, Speculation
 from kvhit.spec.policy import ALL_POLICIES
+from kvhit.refimpl import mamba_at_hash_granularity
 
 CONFIGS = write_configs(extended=True)
 DEFAULT = write_configs(extended=False)
@@ -24,8 +25,7 @@ DEFAULT = write_configs(extended=False)
 def _fine_mamba(config):
     """Whether a Mamba group of the configuration is read at hash granularity (its states inside a block are
     partial tails, of which vLLM holds one per request)."""
-    sizes = ReplayContext(config, ALL_POLICIES["reference"], {"N": 1}, None).sizes()
-    return any(sg.kind.value == "mamba" and sg.fine for sg in sizes.groups)
+    return mamba_at_hash_granularity(ReplayContext(config, ALL_POLICIES["reference"], {"N": 1}, None).sizes())
 
 
 # The configurations of those the adapter enforces: all but multi-module MTP in drop mode, where dominance fails

@@ -180,12 +180,6 @@ def _z3_matches_refimpl(setting, n, longer, policy, repeats):
         assert tuple(value(v) for v in result[:3]) == want[:3], (prompt, rgroups)
 
 
-def _fine_mamba(sizes):
-    """Whether a Mamba group is read at hash granularity: its states inside a block are partial tails, of which
-    vLLM, and so the reference, keeps one per request (the resend's)."""
-    return any(g.kind.value == "mamba" and g.fine for g in sizes.groups)
-
-
 @settings(max_examples=150, deadline=None)
 @given(setting=write_settings(), n=st.integers(1, 5000), longer=st.integers(1, 3000))
 def test_reference_write_side_invariants_hold_on_concrete_prompts(setting, n, longer):
@@ -198,12 +192,12 @@ def test_reference_write_side_invariants_hold_on_concrete_prompts(setting, n, lo
     layout, speculation, sizes, interval = setting
     dropping = [g.kind.value for g in sizes.groups if g.drops]
     assume(not (sizes.drop and dropping and set(dropping) == {"mamba"}))
-    assume(not (sizes.drop and sizes.prefill_lookahead >= 2 and _fine_mamba(sizes)))
+    assume(not (sizes.drop and sizes.prefill_lookahead >= 2 and refimpl.mamba_at_hash_granularity(sizes)))
     rules = refimpl.REFERENCE
     groups = refimpl.request_writes(sizes, n, interval, rules)
     kept = refimpl.written_cache(groups)
     dense = refimpl.written_cache(refimpl.dense_groups(sizes, n))
-    for prompt in (n,) if _fine_mamba(sizes) else (n, n + longer):
+    for prompt in (n,) if refimpl.mamba_at_hash_granularity(sizes) else (n, n + longer):
         assert refimpl.hit_tokens(kept, sizes, prompt, rules)[0] == refimpl.hit_tokens(dense, sizes, prompt, rules)[0]
     hits = refimpl.repeat_hits(sizes, n, interval, rules, 5)
     assert len(set(hits[1:])) == 1
