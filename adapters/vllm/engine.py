@@ -301,9 +301,6 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
         return None, (f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is "
                       "not proved never below vLLM's there (kvhit prove --extended refutes "
                       "reference_never_below_vllm on one Mamba group in drop mode)")
-    for g in coordinator.kv_cache_config.kv_cache_groups:
-        if isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.num_prefill_checkpoint_blocks:
-            return None, "backend-internal Mamba prefill checkpoints are not modelled"
     pool = coordinator.block_pool
     if _sparse_managers(coordinator) and (type(pool) is not BlockPool
                                           or type(pool.free_block_queue) is not FreeKVCacheBlockQueue):
@@ -1335,6 +1332,52 @@ def enforced_resend_boundary() -> int | None:
     return None
 
 
+def _checkpoint_position(num_tokens: int, unit: int, drop: bool, lookahead: int) -> int:
+    """vLLM's ``get_mamba_prefill_checkpoint_position`` (the scheduler module's, which kvhit does not
+    replace); vLLM 0.32's has no hash lookahead, nor the parameter."""
+    return scheduler.get_mamba_prefill_checkpoint_position(num_tokens, unit, drop, *((lookahead,) if lookahead else ()))
+
+
+def backend_checkpoint(sched: scheduler.Scheduler, request, start: int, end: int) -> int | None:
+    """Where the backend saves the prompt's Mamba state inside the prefill chunk ``[start, end)``, or None:
+    where vLLM's ``Scheduler._mamba_block_aligned_split`` lets it (``use_internal_checkpoint``) and every
+    Mamba manager reserves the block for it at the same position (``MambaManager._needs_internal_checkpoint``),
+    each decided by vLLM's own functions on its own fields.
+
+    A backend-internal prefill checkpoint (every Mamba group's spec has ``num_prefill_checkpoint_blocks``;
+    vLLM's ``MambaMixer2`` layers declare one) saves the state at the checkpoint inside the forward pass of
+    the chunk that reaches the prompt end, so that the scheduler need not end a chunk there::
+
+        | hit | chunk                        |     one chunk to the prompt end; the backend saves the
+        0    start        checkpoint         N     state at the checkpoint inside it, in the block the
+                                                   Mamba manager reserved (cache_blocks keys it there)
+
+    The scheduler and the manager decide apart, on different block sizes (the config's smallest block; the
+    Mamba group's): where only the scheduler says yes, no state is saved there (docs/findings.md, C2).
+    """
+    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+    if not sched.mamba_has_prefill_checkpoint_blocks or end < prefill_end:
+        return None
+    unit = sched.hash_block_size if sched.mamba_partial_cache_hit else sched.block_size
+    position = _checkpoint_position(prefill_end, unit, sched.use_eagle_block_drop,
+                                    getattr(sched, "num_hash_lookahead_tokens", 0))
+    if not scheduler.is_mamba_prefill_checkpoint_valid(
+            query_start=start, query_end=end, checkpoint_position=position, hash_block_size=sched.hash_block_size,
+            mamba_block_size=sched.cache_config.block_size,
+            checkpoint_alignment=sched.mamba_prefill_checkpoint_alignment):
+        return None
+    # The manager's own predicate, read before it allocates (it looks the request's blocks up as
+    # get_num_blocks_to_allocate is about to).
+    for manager in sched.kv_cache_manager.coordinator.single_type_managers:
+        if type(manager) is MambaManager:
+            at = _checkpoint_position(end, manager.cache_hit_alignment_tokens, manager.drop_eagle_checkpoint_block,
+                                      getattr(manager.block_pool, "num_hash_lookahead_tokens", 0))
+            if at != position or not manager._needs_internal_checkpoint(request.request_id, start, end, at,
+                                                                        prefill_end):
+                return None
+    return position
+
+
 def mamba_block_aligned_split_seam(original: Callable) -> Callable:
     """``Scheduler._mamba_block_aligned_split`` (``original``) under kvhit's mode."""
 
@@ -1344,7 +1387,11 @@ def mamba_block_aligned_split_seam(original: Callable) -> Callable:
         cacheable block boundary, vLLM's prompt checkpoints, the junction), as the spec's ``chunk_stops``
         models them; then the chunk also ends at the first reference Mamba state inside it
         (``WriteModel.next_mamba_stop``), so a state exists at every point the reference retains (vLLM,
-        patched: ``next_mamba_state_boundary``, one more of the scheduler's stops)."""
+        patched: ``next_mamba_state_boundary``, one more of the scheduler's stops), but where the backend
+        saves that state inside this chunk (:func:`backend_checkpoint`), it is the prompt's checkpoint
+        (where a resend resumes: ``MambaManager._cache_partial_tail_block`` keeps it there, asking
+        :func:`enforced_resend_boundary`) and the reference keeps no later state in the chunk. So the
+        chunks are stock's wherever the reference keeps no state vLLM would not."""
         manager = getattr(self, "kv_cache_manager", None)
         write = _write_model(getattr(manager, "coordinator", None))
         num_new_tokens = original(self, request, num_new_tokens, num_new_local_computed_tokens,
@@ -1355,8 +1402,12 @@ def mamba_block_aligned_split_seam(original: Callable) -> Callable:
             start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
             if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
                 return num_new_tokens
-            stop = write.next_mamba_stop(request.num_prompt_tokens, start, start + num_new_tokens,
-                                         request.shared_prefix_boundary or 0)
+            end, junction = start + num_new_tokens, request.shared_prefix_boundary or 0
+            stop = write.next_mamba_stop(request.num_prompt_tokens, start, end, junction)
+            if (stop is not None and stop == write.resend_boundary(request.num_prompt_tokens)
+                    and stop == backend_checkpoint(self, request, start, end)
+                    and write.next_mamba_stop(request.num_prompt_tokens, stop, end, junction) is None):
+                stop = None  # the backend saves it, and the manager keeps it: the prompt's checkpoint
         except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down
             _write_fall_back(write, e)
             return num_new_tokens
@@ -1447,7 +1498,16 @@ class EvictionTier:
             )
             if mask is None:  # vLLM caches every block there too
                 continue
-            for block, vllm_keeps in zip(manager.req_to_blocks[request_id][start:end], mask):
+            # A Mamba block keyed inside itself holds a state the backend saved at a checkpoint (re-keyed
+            # there by _cache_partial_tail_block after the mask cached the block at its end), kept by vLLM's
+            # own checkpoint rule: the prompt's checkpoint (the scheduler seam lets the backend save the
+            # reference's resume point only where it is vLLM's checkpoint too), a retained boundary or the
+            # junction. Not extra.
+            checkpoint = type(manager) is MambaManager
+            for i, (block, vllm_keeps) in enumerate(zip(manager.req_to_blocks[request_id][start:end], mask),
+                                                    start + 1):
+                if checkpoint and block.block_hash_num_tokens != i * manager.block_size:
+                    continue
                 if not vllm_keeps and block.block_hash is not None and not block.is_null:
                     self.extra.pop(block.block_id, None)
                     self.extra[block.block_id] = block.block_hash

@@ -18,12 +18,16 @@ from tests.conformance.differential import to_harness
 from tests.conformance.vllm_harness import VllmHarness
 
 
-def harness_layout(name, dcp: int = 1) -> dict:
+def harness_layout(name, dcp: int = 1, prefill_checkpoint: bool = False) -> dict:
     """A spec layout (a catalogue name, or a ``kvhit.spec`` Layout) at DCP ``dcp``, in the harness's
     format (:func:`tests.conformance.differential.to_harness`: DeepSeek-V4 groups are MLA / SWA-MLA specs,
-    as vLLM builds them)."""
+    as vLLM builds them); with ``prefill_checkpoint``, every Mamba group declares a backend-internal prefill
+    checkpoint, as vLLM's Mamba-2 layers do."""
     layout = CATALOGUE[name] if isinstance(name, str) else name
-    return to_harness(replace(layout, dcp=dcp))
+    out = to_harness(replace(layout, dcp=dcp))
+    if prefill_checkpoint:
+        out["groups"] = [{**g, "prefill_checkpoint": True} if g["kind"] == "mamba" else g for g in out["groups"]]
+    return out
 
 
 def refimpl_layout(name: str, dcp: int = 1) -> R.Layout:

@@ -325,6 +325,9 @@ class SchedulerSetup:
             ``max_model_len``).
         max_num_seqs: ``SchedulerConfig.max_num_seqs``.
         extra: ``() -> dict`` of further ``VllmConfig`` arguments.
+        async_scheduling: ``SchedulerConfig.async_scheduling``: ``EngineCore`` then builds an
+            ``AsyncScheduler`` and schedules a step before the previous step's output is in
+            (:func:`tests.adapter.serving.serve_stream` steps it so).
     """
 
     target: str
@@ -339,6 +342,7 @@ class SchedulerSetup:
     num_gpu_blocks: int | None = None
     max_num_seqs: int = 4
     extra: Callable = dict
+    async_scheduling: bool = False
 
 
 def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
@@ -386,7 +390,8 @@ def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
         scheduler_config=SchedulerConfig(max_num_seqs=setup.max_num_seqs,
                                          max_num_batched_tokens=setup.max_num_batched_tokens
                                          or MAX_NUM_BATCHED_TOKENS,
-                                         max_model_len=max_model_len, is_encoder_decoder=False),
+                                         max_model_len=max_model_len, is_encoder_decoder=False,
+                                         async_scheduling=setup.async_scheduling),
         speculative_config=None if speculative is None else SpeculativeConfig(
             target_model_config=model_config, target_parallel_config=parallel_config, **speculative),
         **setup.extra(),
@@ -417,7 +422,12 @@ def build_scheduler_for(setup: SchedulerSetup, models_dir: str):
     kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
         kv_cache_config, vllm_config, block_size, hash_block_size)
 
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+    scheduler_cls = Scheduler
+    if setup.async_scheduling:  # as EngineCore picks it on a GPU (vLLM's CPU platform turns it off)
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as scheduler_cls
+
+        vllm_config.scheduler_config.async_scheduling = True
+    scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                           structured_output_manager=StructuredOutputManager(vllm_config), log_stats=True,
                           block_size=block_size, hash_block_size=hash_block_size)
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
@@ -481,20 +491,32 @@ def new_request(request_id: str, tokens: list[int], block_hasher, max_tokens: in
                    arrival_time=0.0, block_hasher=block_hasher)
 
 
-def step(scheduler, scheduler_output=None):
+def sampling(scheduler, scheduler_output) -> dict[str, bool]:
+    """Per request of a step just scheduled, whether its forward samples a token: every request but a
+    partial prefill chunk (``Request.is_prefill_chunk``, which the next ``schedule()`` changes)."""
+    return {r: not scheduler.requests[r].is_prefill_chunk for r in scheduler_output.num_scheduled_tokens}
+
+
+def step(scheduler, scheduler_output=None, samples: dict[str, bool] | None = None):
     """One engine step: ``schedule()`` (unless ``scheduler_output`` is its result already), the stand-in
-    model runner's output, the drafter's proposals. Returns ``(scheduler_output, engine_outputs)``."""
+    model runner's output, the drafter's proposals. Returns ``(scheduler_output, engine_outputs)``.
+
+    Under async scheduling (an ``AsyncScheduler``, ``samples`` read by :func:`sampling` when the step was
+    scheduled, a later step scheduled since): the output only, as ``EngineCore.step_with_batch_queue``
+    hands it over; the worker proposes drafts itself, and the scheduler schedules placeholders for them."""
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
     if scheduler_output is None:
         scheduler_output = scheduler.schedule()
+    if samples is None:
+        samples = sampling(scheduler, scheduler_output)
     req_ids = list(scheduler_output.num_scheduled_tokens)
     # A partial prefill chunk samples nothing; otherwise one token, every draft rejected.
-    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN_ID] for r in req_ids]
+    sampled = [[SAMPLED_TOKEN_ID] if samples[r] else [] for r in req_ids]
     engine_outputs = scheduler.update_from_output(scheduler_output, ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled))
     k = scheduler.num_spec_tokens
-    if k:
+    if k and not scheduler.scheduler_config.async_scheduling:
         drafting = [r for r in req_ids if r in scheduler.requests]
         scheduler.update_draft_token_ids(DraftTokenIds(drafting, [[DRAFT_TOKEN_ID] * k for _ in drafting]))
     return scheduler_output, engine_outputs

@@ -18,6 +18,7 @@ and ``Scheduler``) and stands in for the model runner; this module adds
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -58,6 +59,21 @@ def catalogue_layers(name: str) -> Callable:
                 for i, spec in enumerate(specs)}
 
     return layers_of
+
+
+def with_backend_checkpoints(layers_of: Callable) -> Callable:
+    """``layers_of`` with every Mamba layer declaring a backend-internal prefill checkpoint, as vLLM's
+    ``MambaMixer2.get_kv_cache_spec`` does for every Mamba-2 layer (``num_prefill_checkpoint_blocks=1``,
+    ``prefill_checkpoint_alignment=1``): the scheduler then lets the prompt's last chunk run past the Mamba
+    checkpoint, which the backend saves inside the forward pass."""
+
+    def layers(vllm_config) -> dict:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        return {name: dataclasses.replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+                if isinstance(spec, MambaSpec) else spec for name, spec in layers_of(vllm_config).items()}
+
+    return layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +155,17 @@ CASES = {
     "three_kind-mtp2-lookahead": Case("three_kind", "lookahead", 2, True, SchedulerSetup(
         "nemotron_h_mtp", _MTP2, scheduler_run.nemotron_h_mtp_swa_layers, 1600), 4800, (1000, 6500),
         soak_streams=3),
+    # The same three with every Mamba layer declaring a backend-internal prefill checkpoint, as vLLM's
+    # Mamba-2 layers do (Nemotron-H, Granite 4): enforce turns it off and stops the chunks itself
+    "qwen3next-mtp2-drop-ckpt": Case("qwen3next", "drop", 2, True, SchedulerSetup(
+        "nemotron_h_mtp", {**_MTP2, "disable_lookahead_block_hashes": True},
+        with_backend_checkpoints(scheduler_run.nemotron_h_mtp_layers), 1600), 4800, (1000, 6500), soak_streams=3),
+    "qwen3next_pmu160-mtp1-drop-ckpt": Case("qwen3next_pmu160", "drop", 1, False, SchedulerSetup(
+        "nemotron_h_mtp", _MTP1_DROP, with_backend_checkpoints(scheduler_run.nemotron_h_mtp_layers), 1600,
+        prefix_match_unit=160), 4800, (1000, 6500), soak_streams=3),
+    "three_kind-mtp2-lookahead-ckpt": Case("three_kind", "lookahead", 2, True, SchedulerSetup(
+        "nemotron_h_mtp", _MTP2, with_backend_checkpoints(scheduler_run.nemotron_h_mtp_swa_layers), 1600),
+        4800, (1000, 6500), soak_streams=3),
     # DeepSeek-V4 as vLLM 0.33 builds it on CUDA: MLA 256 (three compressions), SWA-MLA 64 holding the MTP
     # layer (the EAGLE group), SWA-MLA 8 and 4; one draft token, drop mode
     "dsv4_cuda-drop": Case("dsv4_cuda", "drop", 1, False,
@@ -167,15 +194,18 @@ def max_model_len(case: Case) -> int:
     return case.max_prompt + MAX_DECODE + 16
 
 
-def build(case: Case, models_dir: str, budget: int, num_gpu_blocks: int | None = None):
+def build(case: Case, models_dir: str, budget: int, num_gpu_blocks: int | None = None,
+          async_scheduling: bool = False):
     """The case's scheduler and block hasher, with token budget ``budget`` and a pool of ``num_gpu_blocks``
-    (None: the default, room for four requests of the model length)."""
+    (None: the default, room for four requests of the model length); an ``AsyncScheduler`` with
+    ``async_scheduling``."""
     return scheduler_run.build_scheduler_for(dataclasses.replace(
         case.setup, max_num_batched_tokens=budget, max_model_len=max_model_len(case),
-        num_gpu_blocks=num_gpu_blocks), models_dir)
+        num_gpu_blocks=num_gpu_blocks, async_scheduling=async_scheduling), models_dir)
 
 
-def pool_blocks(case: Case, models_dir: str, budget: int, pool, arrivals: Sequence[Arrival] = ()) -> int | None:
+def pool_blocks(case: Case, models_dir: str, budget: int, pool, arrivals: Sequence[Arrival] = (),
+                async_scheduling: bool = False) -> int | None:
     """The pool size ``pool`` names: None (the default pool), a number (that many times the blocks one
     request of the model length needs, which vLLM's admission check asks for at least), or ``"preempt"``:
     one block fewer than ``arrivals`` use at their peak on the default pool, so that the scheduler cannot
@@ -188,7 +218,7 @@ def pool_blocks(case: Case, models_dir: str, budget: int, pool, arrivals: Sequen
     if mode != "off":
         kvhit.uninstall()
     try:
-        scheduler, block_hasher = build(case, models_dir, budget)
+        scheduler, block_hasher = build(case, models_dir, budget, async_scheduling=async_scheduling)
         least = one_request_blocks(scheduler) + 1  # and the null block
         if pool == "preempt":
             stats: dict = {}
@@ -404,15 +434,21 @@ class Arrival:
 def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer: Observer | None = None,
                  trace: list | None = None, stats: dict | None = None, keep_hashes: dict | None = None,
                  max_steps: int = 20000) -> list[dict]:
-    """Add ``arrivals`` as they become due and step the scheduler until every request finished.
+    """Add ``arrivals`` as they become due and step the scheduler until every request finished; under async
+    scheduling, with one step in flight as ``EngineCore`` keeps it.
 
     Returns per arrival: ``num_cached_tokens`` (``prefill_stats``), the steps it was added and finished at,
     its preemptions and the pool's eviction count when it finished, and the observer's lookups of it.
-    ``stats`` (if given) gets ``steps`` and ``peak_used_blocks``, the most pool blocks in use after a
-    ``schedule()``; ``keep_hashes`` (if given) each request's block hashes.
+    ``stats`` (if given) gets ``steps``, ``peak_used_blocks`` (the most pool blocks in use after a
+    ``schedule()``) and ``most_in_flight`` (the most steps scheduled at once whose output was not in);
+    ``keep_hashes`` (if given) each request's block hashes.
     """
     pool = scheduler.kv_cache_manager.block_pool
-    peak = 0
+    # Steps scheduled whose output is not in yet: at most one under async scheduling, whose next step is
+    # scheduled before the last one's output is processed (EngineCore's batch queue of two); none otherwise.
+    depth = 2 if scheduler.scheduler_config.async_scheduling else 1
+    in_flight: collections.deque = collections.deque()
+    most_in_flight = peak = 0
     pending = list(arrivals)
     requests, added, finished, cached = {}, {}, {}, {}
     evictions_at_finish = {}
@@ -424,13 +460,20 @@ def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer:
                                                                a.max_tokens)
             scheduler.add_request(requests[a.request_id])
             added[a.request_id], last_added = now, now
-        if not pending and not scheduler.has_unfinished_requests():
+        if not pending and not scheduler.has_unfinished_requests() and not in_flight:
             break
-        if not scheduler.has_unfinished_requests():
+        if scheduler.has_unfinished_requests():
+            scheduler_output = scheduler.schedule()
+            peak = max(peak, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+            in_flight.appendleft((scheduler_output, scheduler_run.sampling(scheduler, scheduler_output)))
+            most_in_flight = max(most_in_flight, len(in_flight))
+            if len(in_flight) < depth and (scheduler_output.total_num_scheduled_tokens > 0
+                                           or scheduler.has_requests()):
+                continue  # EngineCore.step_with_batch_queue: fill the queue before taking an output
+        if not in_flight:
             continue
-        scheduler_output = scheduler.schedule()
-        peak = max(peak, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
-        scheduler_output, engine_outputs = scheduler_run.step(scheduler, scheduler_output)
+        scheduler_output, samples = in_flight.pop()
+        scheduler_output, engine_outputs = scheduler_run.step(scheduler, scheduler_output, samples)
         if trace is not None:
             trace.append(scheduler_run._step_record(scheduler_output, engine_outputs))
         for outputs in engine_outputs.values():
@@ -443,7 +486,7 @@ def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer:
     else:
         raise RuntimeError(f"stream did not finish in {max_steps} steps")
     if stats is not None:
-        stats.update(steps=now, peak_used_blocks=peak)
+        stats.update(steps=now, peak_used_blocks=peak, most_in_flight=most_in_flight)
     lookups = observer.request_lookups if observer else {}
     if keep_hashes is not None:
         keep_hashes.update({rid: list(request.block_hashes) for rid, request in requests.items()})
@@ -496,22 +539,32 @@ def preempting_stream(case: Case, seed: str) -> list[Arrival]:
             Arrival("a-1", "a", tuple(a), after=("b-2",))]
 
 
-# condition -> (stream, pool as a multiple of one request's blocks; None for the default pool)
-CONDITIONS = {"concurrent": (concurrent_stream, None), "preempting": (preempting_stream, "preempt")}
+# condition -> (stream, pool as a multiple of one request's blocks or "preempt"; None for the default pool;
+# async scheduling). An "-async" condition serves its synchronous namesake's prompts with one step in flight,
+# at the budget the report that served with --async-scheduling used (8192).
+CONDITIONS = {"concurrent": (concurrent_stream, None, False), "preempting": (preempting_stream, "preempt", False),
+              "concurrent-async": (concurrent_stream, None, True),
+              "preempting-async": (preempting_stream, "preempt", True)}
+
+
+def budgets(condition: str) -> tuple[int, ...]:
+    """The token budgets ``condition`` is served with."""
+    return (8192,) if CONDITIONS[condition][2] else BUDGETS
 
 
 def run_condition(case_name: str, condition: str, budget: int, models_dir: str) -> dict:
     """One fixed stream (``CONDITIONS``) on case ``case_name`` with token budget ``budget``."""
     case = CASES[case_name]
-    stream, pool = CONDITIONS[condition]
-    arrivals = stream(case, f"{case_name}/{condition}")
-    num_gpu_blocks = pool_blocks(case, models_dir, budget, pool, arrivals)
+    stream, pool, async_scheduling = CONDITIONS[condition]
+    arrivals = stream(case, f"{case_name}/{condition.removesuffix('-async')}")
+    num_gpu_blocks = pool_blocks(case, models_dir, budget, pool, arrivals, async_scheduling)
     with Observer(record_pool=True) as observer:
-        scheduler, block_hasher = build(case, models_dir, budget, num_gpu_blocks)
+        scheduler, block_hasher = build(case, models_dir, budget, num_gpu_blocks, async_scheduling)
         observer.attach(scheduler)
         trace: list = []
         hashes: dict = {}
-        served = serve_stream(scheduler, block_hasher, arrivals, observer, trace, keep_hashes=hashes)
+        stats: dict = {}
+        served = serve_stream(scheduler, block_hasher, arrivals, observer, trace, stats, keep_hashes=hashes)
     first_serve: dict[str, dict] = {}
     for s in served:  # whether a block of the prompt was evicted since its first serve was looked up
         first = first_serve.setdefault(s["prompt"], s)
@@ -521,7 +574,8 @@ def run_condition(case_name: str, condition: str, budget: int, models_dir: str) 
                 "block_size": scheduler.block_size, "hash_block_size": scheduler.hash_block_size,
                 "num_blocks": scheduler.kv_cache_config.num_blocks,
                 "dcp": scheduler.vllm_config.parallel_config.decode_context_parallel_size,
-                "prefix_match_unit": scheduler.vllm_config.cache_config.prefix_match_unit},
+                "prefix_match_unit": scheduler.vllm_config.cache_config.prefix_match_unit,
+                "class": type(scheduler).__name__, "most_in_flight": stats["most_in_flight"]},
             "served": served, "trace": trace, "lookups": observer.lookups, "unsound": observer.unsound,
             "evictions": observer.evictions}
 
@@ -596,7 +650,7 @@ def main(argv=None) -> None:
     result = {"runs": {}}
     for case_name in args.case or CASES:
         for condition in args.condition or CONDITIONS:
-            for budget in args.budget or BUDGETS:
+            for budget in args.budget or budgets(condition):
                 result["runs"][f"{case_name}/{condition}/{budget}"] = run_condition(
                     case_name, condition, budget, args.models_dir)
     result["kvhit_mode"] = (sys.modules["kvhit.adapters.vllm"].current_mode()

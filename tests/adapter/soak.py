@@ -4,9 +4,10 @@
     python -m tests.adapter.soak [--lookups N] [--seed S] [--json OUT] [--table]     (make soak)
 
 Each stream runs on one of the modelled catalogue layouts of ``tests.adapter.serving.CASES`` (in turn),
-with a token budget of 2048 or 8192 and a KV pool that is either vLLM's default here (room for four
+with a token budget of 2048 or 8192, a KV pool that is either vLLM's default here (room for four
 requests of the model length) or 1.05 to 2 times what one request needs, so that the pool evicts and the
-scheduler preempts. Several streams run through one scheduler, as through a server
+scheduler preempts, and vLLM's ``Scheduler`` or, for about half the configurations, its ``AsyncScheduler``
+with one step in flight (async scheduling, ``serving.serve_stream``). Several streams run through one scheduler, as through a server
 (``Case.soak_streams``). A stream has two system prompts and 6 to 14 requests (``Case.soak_requests``):
 new prompts (a system prompt and a suffix), resends of earlier prompts, longer siblings (an earlier prompt
 and up to ``serving.LONGER_SIBLING`` tokens more) and divergent siblings (an earlier prompt cut and
@@ -50,7 +51,7 @@ DEFAULT_SEED = 17
 
 @dataclasses.dataclass
 class Row:
-    """Counts for one layout and condition (token budget, pool)."""
+    """Counts for one layout and condition (token budget, pool, scheduling)."""
 
     streams: int = 0
     requests: int = 0
@@ -216,15 +217,16 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
         budget = serving.BUDGETS[(config // len(cases)) % len(serving.BUDGETS)]
         case = serving.CASES[name]
         pool = None if config % 3 == 0 else round(rng.uniform(1.05, 2.0), 2)
+        async_scheduling = rng.random() < 0.5
         config += 1
-        condition = (name, budget, "default" if pool is None else "tight")
+        condition = (name, budget, "default" if pool is None else "tight", "async" if async_scheduling else "sync")
         row = rows[condition]
         # Sized before the observer wraps the lookups: pool_blocks sizes a pool on stock vLLM (it uninstalls
         # and reinstalls kvhit), and kvhit's uninstall puts vLLM's originals back over any wrapper, so an
         # observer entered earlier would stop seeing lookups and the soak would check none.
-        num_gpu_blocks = serving.pool_blocks(case, models_dir, budget, pool)
+        num_gpu_blocks = serving.pool_blocks(case, models_dir, budget, pool, async_scheduling=async_scheduling)
         with serving.Observer() as observer:
-            scheduler, block_hasher = serving.build(case, models_dir, budget, num_gpu_blocks)
+            scheduler, block_hasher = serving.build(case, models_dir, budget, num_gpu_blocks, async_scheduling)
             observer.attach(scheduler)
             reference = ReferenceCheck(scheduler, case)
             observer.on_lookup = reference
@@ -238,7 +240,7 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
                     served = serving.serve_stream(scheduler, block_hasher, stream, observer, keep_hashes=hashes)
                 except RuntimeError as e:  # a stream vLLM never finishes: say which, with its prompt lengths
                     raise RuntimeError(f"{e}: stream {tag} of {name} at budget {budget}, {condition[2]} pool, "
-                                       f"prompts {[len(a.tokens) for a in stream]}") from e
+                                       f"{condition[3]} scheduling, prompts {[len(a.tokens) for a in stream]}") from e
                 requests += len(served)
                 row.streams += 1
                 row.preemptions += sum(s["preemptions"] for s in served)
@@ -268,7 +270,7 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
         for field in dataclasses.fields(Row):
             setattr(totals, field.name, getattr(totals, field.name) + getattr(row, field.name))
     return {"seed": seed, "seconds": seconds, "totals": dataclasses.asdict(totals),
-            "rows": [{"layout": k[0], "budget": k[1], "pool": k[2], **dataclasses.asdict(v)}
+            "rows": [{"layout": k[0], "budget": k[1], "pool": k[2], "scheduling": k[3], **dataclasses.asdict(v)}
                      for k, v in sorted(rows.items())],
             "examples": unsound_examples[:20]}
 
@@ -334,11 +336,12 @@ def summary(result: dict) -> str:
 
 
 def table(result: dict) -> str:
-    head = (f"{'layout':26} {'budget':>6} {'pool':>7} {'streams':>7} {'lookups':>8} {'unsound':>7} {'ref':>4} "
-            f"{'fallb':>5} {'preempt':>7} {'evict':>7} {'repeats':>7} {'miss':>4} {'miss/ev':>7}")
+    head = (f"{'layout':32} {'budget':>6} {'pool':>7} {'sched':>5} {'streams':>7} {'lookups':>8} {'unsound':>7} "
+            f"{'ref':>4} {'fallb':>5} {'preempt':>7} {'evict':>7} {'repeats':>7} {'miss':>4} {'miss/ev':>7}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
-        lines.append(f"{r['layout']:26} {r['budget']:>6} {r['pool']:>7} {r['streams']:>7} {r['lookups']:>8} "
+        lines.append(f"{r['layout']:32} {r['budget']:>6} {r['pool']:>7} {r['scheduling']:>5} {r['streams']:>7} "
+                     f"{r['lookups']:>8} "
                      f"{r['unsound']:>7} {r['reference_mismatches']:>4} {r['fallbacks']:>5} "
                      f"{r['preemptions']:>7} {r['evictions']:>7} {r['first_repeats']:>7} {r['misses']:>4} "
                      f"{r['misses_evicted']:>7}")

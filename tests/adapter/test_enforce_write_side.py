@@ -61,12 +61,19 @@ def _cases():
         for retention in _retentions(name):
             yield pytest.param(name, 1, (11910, 8000), "lookahead", 2, retention,
                                id=f"{name}-dcp1-lookahead-mtp2-ri{retention}")
+    # Every Mamba layer declaring a backend-internal prefill checkpoint, as vLLM's Mamba-2 layers do: the
+    # scheduler lets the prompt's last chunk run past the checkpoint, which the backend saves inside it.
+    for name, mode, k in (("qwen3next", "none", 1), ("qwen3next", "drop", 2), ("qwen3next", "lookahead", 2),
+                          ("qwen3next_pmu160", "drop", 1), ("three_kind", "lookahead", 2)):
+        for retention in _retentions(name):
+            yield pytest.param(name, 1, (11910, 8000), mode, k, retention, True,
+                               id=f"{name}-dcp1-{mode}-k{k}-ri{retention}-checkpoint")
 
 
-def _harness(name, dcp, n, mode, k=1, retention=0):
+def _harness(name, dcp, n, mode, k=1, retention=0, checkpoint=False):
     S = R.derive_sizes(refimpl_layout(name, dcp), speculation("none")).scheduler_block
-    return VllmHarness(harness_layout(name, dcp), mode, num_speculative_tokens=k, multi_module_mtp=k > 1,
-                       retention_interval=retention, max_model_len=n + 2 * S + 64)
+    return VllmHarness(harness_layout(name, dcp, checkpoint), mode, num_speculative_tokens=k,
+                       multi_module_mtp=k > 1, retention_interval=retention, max_model_len=n + 2 * S + 64)
 
 
 def _tokens(n, seed=0):
@@ -91,16 +98,18 @@ def _reference_retained(sizes, n, retention):
             for k in range(len(sizes.groups))]
 
 
-@pytest.mark.parametrize("name, dcp, lengths, mode, k, retention", list(_cases()))
+@pytest.mark.parametrize("name, dcp, lengths, mode, k, retention, checkpoint",
+                         [p if len(p.values) == 7 else pytest.param(*p.values, False, id=p.id) for p in _cases()])
 def test_enforce_write_side_leaves_the_reference_cache_and_repeats_are_stable(name, dcp, lengths, mode, k,
-                                                                              retention):
+                                                                              retention, checkpoint):
     """One request on an empty cache leaves exactly the reference's retained boundaries (up to N - L),
-    and its first and second resends hit ``refimpl.repeat_hits(..., REFERENCE)``, which are equal."""
+    and its first and second resends hit ``refimpl.repeat_hits(..., REFERENCE)``, which are equal; with
+    backend-internal Mamba prefill checkpoints (``checkpoint``) too."""
     assert kvhit_vllm.install("enforce")
     layout, spec = refimpl_layout(name, dcp), speculation(mode, k, k > 1)
     sizes = R.derive_sizes(layout, spec)
     for n in lengths:
-        harness = _harness(name, dcp, n, mode, k, retention)
+        harness = _harness(name, dcp, n, mode, k, retention, checkpoint)
         model = engine._models[harness.manager.coordinator]
         assert model is not None and model.write is not None, model and model.write_note
         fallbacks = engine.ENFORCE_FALLBACKS.labels(model.label)._value.get()  # the process's counter
@@ -229,3 +238,31 @@ def test_write_side_failure_is_answered_by_vllm_and_counted(monkeypatch):
     assert harness.serve(tokens, decode_steps=0)["chunks"] == stock_chunks
     assert harness.retained(tokens) == stock.retained(tokens)
     assert engine.ENFORCE_FALLBACKS.labels(model.label)._value.get() > before
+
+
+@pytest.mark.parametrize("mode, k", [("lookahead", 2), ("none", 1)])
+@pytest.mark.parametrize("n", [8000, 11910])
+def test_enforce_keeps_the_checkpoint_vllm_loses(mode, k, n):
+    """C2 (docs/findings.md; ``tests/conformance/test_backend_checkpoint.py``): on ``three_kind`` with
+    backend-internal Mamba prefill checkpoints and a token budget of 2048, vLLM's scheduler lets the last
+    chunk run past the prompt's checkpoint and its Mamba manager reserves no block for it, so stock's first
+    resend hits 0. Enforce ends the chunk there itself (``engine.backend_checkpoint`` asks the manager too):
+    what the request leaves holds the reference's (and the states at the budget's chunk ends that vLLM's mask
+    keeps: the model's prefill runs in one chunk per Mamba stop), and both resends hit
+    ``refimpl.repeat_hits``."""
+    assert kvhit_vllm.install("enforce")
+    sizes = R.derive_sizes(refimpl_layout("three_kind"), speculation(mode, k, k > 1))
+    harness = VllmHarness(harness_layout("three_kind", prefill_checkpoint=True), mode, num_speculative_tokens=k,
+                          multi_module_mtp=k > 1, retention_interval=0, max_model_len=n + 4000,
+                          max_num_batched_tokens=2048)
+    tokens = _tokens(n)
+    harness.serve(tokens, decode_steps=0)
+    held = _retained(harness, sizes, tokens)
+    for group, (got, want) in enumerate(zip(held, _reference_retained(sizes, n, 0))):
+        assert set(want) <= set(got), (group, got, want)
+    hits = []
+    for _ in range(2):
+        hits.append(harness.probe(tokens)["hit"])
+        harness.serve(tokens, decode_steps=0)
+    assert tuple(hits) == R.repeat_hits(sizes, n, 0, R.REFERENCE, 2)
+    assert hits[0] > 0

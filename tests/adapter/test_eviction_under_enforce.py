@@ -81,8 +81,8 @@ def _serve(models_dir: str) -> dict:
         pool._maybe_evict_cached_block = maybe_evict_cached_block
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
 
-        def observed_step(s, scheduler_output=None):
-            scheduler_output, engine_outputs = step(s, scheduler_output)
+        def observed_step(s, scheduler_output=None, samples=None):
+            scheduler_output, engine_outputs = step(s, scheduler_output, samples)
             tables.append([sum(not b.is_null for blocks in m.req_to_blocks.values() for b in blocks)
                            for m in managers])
             for outputs in engine_outputs.values():

@@ -3,20 +3,25 @@
 For every modelled catalogue layout of ``tests.adapter.serving.CASES`` (plain full attention, with an EAGLE
 draft, ``llama_eagle`` at DCP 2, ``gemma``, ``qwen3next`` with two MTP modules in drop and lookahead mode,
 ``qwen3next_pmu160`` and ``three_kind`` (Mamba read at hash granularity) with one MTP module in drop mode and
-two in lookahead mode, ``dsv4_cuda`` and ``dsv4_report``), token budgets 2048 and 8192 (which cut
-the prefill chunks of these prompts), and two conditions (``serving.CONDITIONS``):
+two in lookahead mode, three of these with backend-internal Mamba prefill checkpoints as vLLM's Mamba-2
+layers declare them, ``dsv4_cuda`` and ``dsv4_report``), token budgets 2048 and 8192 (which cut
+the prefill chunks of these prompts), and four conditions (``serving.CONDITIONS``):
 
 * ``concurrent``: a sibling sharing the system prompt arrives while the first prompt is in prefill; then
   the first prompt twice, a longer sibling, and the sibling again;
 * ``preempting``: two prompts sharing the system prompt decode past a block boundary on a pool too small
-  for both (the later is preempted and resumes); then the later twice, and the first again.
+  for both (the later is preempted and resumes); then the later twice, and the first again;
+* ``concurrent-async`` and ``preempting-async``: the same streams under async scheduling (vLLM's
+  ``AsyncScheduler``, each step scheduled before the previous step's output is in, as ``EngineCore``'s
+  batch queue does it; drafts are placeholders), at budget 8192.
 
 ``python -m tests.adapter.serving`` runs them in a process per mode (stock: kvhit never imported; off,
 shadow, enforce through vLLM's plugin loader), and every lookup is checked as the soak checks it. Under
 enforce the first repeat hits what the second does and what ``refimpl``'s reference hits on a cache holding
 the whole prompt, except where ``EXPECTED_DIFFERENCES`` says otherwise (with the numbers, and why); every
 request gets at least stock's hit, on the preempting pools too (the blocks the reference keeps beyond vLLM's
-write side are evicted first); off and shadow are byte-identical to stock.
+write side are evicted first), except where ``BELOW_STOCK`` says otherwise (one request, measured and
+explained, on pools one block short of stock's peak); off and shadow are byte-identical to stock.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ from tests.adapter import child_runs, scheduler_run, serving
 
 MODES = ("stock", "off", "shadow", "enforce")
 RUNS = [f"{case}/{condition}/{budget}" for case in serving.CASES for condition in serving.CONDITIONS
-        for budget in serving.BUDGETS]
+        for budget in serving.budgets(condition)]
 # condition -> the prompt whose first and second repeat are compared
-REPEATED = {"concurrent": "a", "preempting": "b"}
+REPEATED = {"concurrent": "a", "preempting": "b", "concurrent-async": "a", "preempting-async": "b"}
 
 # run -> ((stock first, stock second), (enforce first, enforce second), why). A first repeat that hits
 # less than the second under enforce, measured and explained (the test also checks that a block of the
@@ -49,6 +54,12 @@ EXPECTED_DIFFERENCES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = 
         "full-attention blocks 1600..9600, held until b ends, survive. The first repeat finds no state and "
         "hits 0, keeps the state, and the second hits 9600: stock alike. The write model assumes nothing is "
         "evicted."),
+    "qwen3next_pmu160-mtp2-lookahead/preempting-async/8192": (
+        (9600, 11040), (9600, 11040),
+        "b (11197 tokens) is preempted while a step of it is in flight (async scheduling). vLLM keys its "
+        "Mamba partial tail at 11040 when it resumes and then evicts that block again, so its first repeat "
+        "finds the state at 9600 only and hits 9600, keeps the tail, and the second hits 11040: stock alike. "
+        "In the synchronous run the tail survives and both repeats hit 11040."),
     "three_kind-mtp1-drop/preempting/2048": (
         (8000, 10880), (8000, 10880),
         "b (11197 tokens) is preempted and resumes, on the pool at the stream's peak less one block. When its "
@@ -57,6 +68,31 @@ EXPECTED_DIFFERENCES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = 
         "sliding-window block as soon as the window passes it, and the allocations that followed evicted 10400 "
         "and 10560. The first repeat hits 8000 and keeps them again, and the second hits 10880: stock alike. "
         "The write model assumes nothing is evicted."),
+}
+
+
+# run -> ({request: (stock's hit, enforce's hit)}, why): requests served below stock, measured and explained,
+# all on preempting pools (one block short of stock's own peak for the stream). The reference keeps more
+# state than vLLM's write side and stops prefill chunks where vLLM's would not; the eviction tier evicts the
+# extra blocks first, but on such a pool the order in which a preempted request runs and what it holds can
+# still cost a later request a state stock kept. The test requires exactly these numbers.
+BELOW_STOCK: dict[str, tuple[dict[str, tuple[int, int]], str]] = {
+    "qwen3next_pmu160-mtp1-drop-ckpt/preempting/8192": (
+        {"a-1": (3200, 0)},
+        "b is preempted once and waits for blocks twice, stock and enforce alike. Under stock its first "
+        "repeat b-1 hits only the Mamba state at 3200 (its junction with a), which it reads and so moves to "
+        "the back of vLLM's LRU order; under enforce b-1 hits 10880 (the first repeat equals the second, as "
+        "the reference says) and reads no state at 3200. The prefills that follow evict in LRU order, and "
+        "under enforce the 3200 state goes before a's repeat a-1 looks up: a-1 hits 0, where stock's a-1 "
+        "finds the state b-1 refreshed. Over the stream enforce caches 21760 tokens, stock 17280."),
+    "qwen3next_pmu160-mtp1-drop/preempting-async/8192": (
+        {"a-1": (3200, 0)},
+        "Under enforce b's prefill also ends chunks at its junction with a as the reference records it (4640, "
+        "and 7840 after b is preempted and resumes: Mamba states inside a block), which stock's does not, so "
+        "b runs for more steps and holds more blocks on a pool one block short of stock's peak; the pool "
+        "evicts 19 cached blocks against stock's 14, a's Mamba state at 3200 among them, and a's repeat a-1 "
+        "hits 0 where stock's hits 3200. b's repeats hit 10880 in both. In the synchronous run of the same "
+        "stream both a-1 hit 0."),
 }
 
 
@@ -143,12 +179,18 @@ def test_every_lookup_is_sound_and_enforce_never_falls_back(runs, mode):
 def test_the_conditions_happen(runs, run):
     """The streams do what they are named for: in ``concurrent`` the sibling is looked up while the first
     prompt has not finished; in ``preempting`` the scheduler preempts a request or makes it wait for
-    blocks."""
+    blocks; under ``-async`` an ``AsyncScheduler`` schedules each step before the previous step's output is
+    in."""
     first, sibling = (_served(runs["stock"], run, rid) for rid in ("a", "b"))
-    if "/concurrent/" in run:
+    if "/concurrent" in run:
         assert sibling["added"] < first["finished"], (first, sibling)
     else:
         assert sibling["preemptions"] or len(sibling["lookups"]) > 1, sibling
+    scheduler = runs["stock"]["runs"][run]["scheduler"]
+    if run.split("/")[1].endswith("-async"):  # an AsyncScheduler, stepped with one step in flight
+        assert (scheduler["class"], scheduler["most_in_flight"]) == ("AsyncScheduler", 2), scheduler
+    else:
+        assert (scheduler["class"], scheduler["most_in_flight"]) == ("Scheduler", 1), scheduler
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -177,12 +219,29 @@ def test_enforce_never_gives_less_than_stock(runs, run):
     """At every request of the stream (the first prompt, the sibling, the repeats, the longer sibling),
     on the preempting pools too: the blocks the reference keeps beyond vLLM's write side are evicted before
     any other cached block (``EvictionTier``; ``tests/adapter/test_eviction_under_enforce.py`` shows the
-    run that served a request below stock without it)."""
+    run that served a request below stock without it); but where ``BELOW_STOCK`` says otherwise, with the
+    numbers and why."""
     stock, enforce = (runs[mode]["runs"][run]["served"] for mode in ("stock", "enforce"))
     hits = [(s["request_id"], s["num_cached_tokens"], e["num_cached_tokens"]) for s, e in zip(stock, enforce)]
     assert [s["request_id"] for s in stock] == [e["request_id"] for e in enforce]
     below = {rid: (s, e) for rid, s, e in hits if e < s}
+    if run in BELOW_STOCK:
+        assert "/preempting" in run, run
+        assert below == BELOW_STOCK[run][0], (run, "(request, stock, enforce)", hits)
+        return
     assert not below, (run, "(request, stock, enforce)", hits)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(serving.CASES))
+def test_async_scheduling_changes_no_hit_of_the_concurrent_stream(runs, case, mode):
+    """Without preemption the one step of lag changes when outputs arrive and requests finish, not where a
+    prefill chunk ends or what a lookup finds: every request of the concurrent stream gets the hit it gets
+    synchronously, in every mode (docs/adapter.md, "Serving conditions")."""
+    result = runs[mode]["runs"]
+    hits = {condition: [(s["request_id"], s["num_cached_tokens"]) for s in result[f"{case}/{condition}/8192"]["served"]]
+            for condition in ("concurrent", "concurrent-async")}
+    assert hits["concurrent-async"] == hits["concurrent"], (case, mode, hits)
 
 
 @pytest.mark.parametrize("mode", ["off", "shadow"])

@@ -38,10 +38,11 @@ def result(tmp_path_factory):
 
 def test_soak_checks_at_least_the_ci_lookups_on_every_soaked_layout(result):
     """Not vacuous: the lookups counted are the ones checked, at least ``CI_LOOKUPS``, on every soaked
-    layout, with evictions and preemptions among them."""
+    layout, under vLLM's ``Scheduler`` and its ``AsyncScheduler``, with evictions and preemptions among them."""
     totals = result["totals"]
     assert totals["lookups"] >= CI_LOOKUPS, totals
     assert {row["layout"] for row in result["rows"] if row["lookups"]} == set(soak.SOAKED), result["rows"]
+    assert {row["scheduling"] for row in result["rows"] if row["lookups"]} == {"sync", "async"}, result["rows"]
     assert totals["evictions"] > 0 and totals["preemptions"] > 0, totals
     assert result["kvhit_counters"]["vllm:kvhit_lookups"] >= totals["lookups"], result["kvhit_counters"]
 

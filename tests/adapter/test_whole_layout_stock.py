@@ -2,9 +2,8 @@
 
 Enforce promises that the first repeat of a prompt hits what the second does, and never less than stock; the
 reference read side on vLLM's write side promises neither. So where the spec does not model a layout's
-write side (a Mamba group read at hash granularity in EAGLE drop mode with multi-module MTP, backend-internal
-Mamba prefill checkpoints, chunked local attention, EAGLE drop mode in which only Mamba groups drop, a
-retention interval its write side rejects), or the scheduler's config adds what the spec does
+write side (a Mamba group read at hash granularity in EAGLE drop mode with multi-module MTP, chunked local
+attention, EAGLE drop mode in which only Mamba groups drop, a retention interval its write side rejects), or the scheduler's config adds what the spec does
 not model (a KV connector; auxiliary outputs, which cap lookups below ``N - 1``), the coordinator is
 unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``, and reported in the status file.
 Shadow does the same, so that its counters say what enforce does.
@@ -16,7 +15,6 @@ connector; then one test per reason on vLLM's ``KVCacheManager``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import types
@@ -26,7 +24,6 @@ from prometheus_client import REGISTRY
 
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
-import tests.conformance.vllm_harness as vllm_harness
 from kvhit.adapters.vllm import engine, v0_33
 from tests.adapter import child_runs
 from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
@@ -204,19 +201,18 @@ def test_chunked_local_attention_leaves_the_layout_stock(monkeypatch, tmp_path, 
                 "chunked local attention")
 
 
-def test_backend_internal_mamba_checkpoints_leave_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
-    """``MambaSpec.num_prefill_checkpoint_blocks > 0``: the backend saves the prompt's Mamba checkpoint
-    inside a forward pass (vLLM's ``MambaMixer2`` layers always declare one; Qwen3-Next's GDN layers with
-    FlashInfer's GDN prefill), which the spec does not model."""
-    original = vllm_harness.build_kv_cache_spec
-
-    def with_checkpoint_blocks(group, **kwargs):
-        spec = original(group, **kwargs)
-        return dataclasses.replace(spec, num_prefill_checkpoint_blocks=1) if group["kind"] == "mamba" else spec
-
-    monkeypatch.setattr(vllm_harness, "build_kv_cache_spec", with_checkpoint_blocks)
-    _left_stock(monkeypatch, tmp_path, kvhit_log, _catalogue_harness("qwen3next", "drop"), 11910,
-                "backend-internal Mamba prefill checkpoints")
+def test_backend_internal_mamba_checkpoints_are_enforced():
+    """``MambaSpec.num_prefill_checkpoint_blocks > 0`` (vLLM's ``MambaMixer2`` layers always declare one):
+    no longer a reason to leave the layout to vLLM. The write side keeps the backend's checkpoint where it is
+    the prompt's resume point and ends a chunk at every other state the reference keeps
+    (``engine.backend_checkpoint``; what a request leaves: ``tests/adapter/test_enforce_write_side.py``, the
+    ``-checkpoint`` cases)."""
+    assert kvhit_vllm.install("enforce")
+    harness = VllmHarness(harness_layout("qwen3next", prefill_checkpoint=True), "drop", retention_interval=0,
+                          max_model_len=11910 + 4000)
+    assert harness.manager.coordinator.single_type_managers[1].has_prefill_checkpoint_blocks
+    model = engine._models[harness.manager.coordinator]
+    assert model is not None and model.write is not None
 
 
 def test_a_retention_interval_the_write_side_rejects_has_no_write_model():

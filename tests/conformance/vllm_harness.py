@@ -47,6 +47,9 @@ Group keys:
 * ``head_size`` (optional): only makes otherwise equal specs unequal. vLLM
   merges groups with equal specs into one spec group (coordinator
   ``verify_and_split_kv_cache_groups``), exactly as for a real model.
+* ``prefill_checkpoint`` (default False, ``mamba`` only): the spec declares a
+  backend-internal prefill checkpoint, as every Mamba-2 layer does
+  (:data:`MAMBA2_PREFILL_CHECKPOINT`).
 
 Token diagram of one ``serve`` (``N`` prompt tokens, ``hit`` from the lookup)::
 
@@ -199,8 +202,12 @@ _GROUP_KEYS = frozenset(
         "mla",
         "tokens_per_state",
         "head_size",
+        "prefill_checkpoint",
     }
 )
+MAMBA2_PREFILL_CHECKPOINT = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+"""What vLLM's ``MambaMixer2.get_kv_cache_spec`` sets on every Mamba-2 layer's ``MambaSpec``: one
+backend-internal prefill checkpoint block, at any offset (a Mamba group's ``"prefill_checkpoint": True``)."""
 
 # Token id appended by every simulated sampling step. Prompts used with the
 # harness should avoid it if decode blocks must never match a prompt.
@@ -286,6 +293,8 @@ def _validate_layout(layout: dict) -> None:
             raise ValueError(f"group {i}: kind 'chunked' needs 'chunk'")
         if group.get("mla") and kind not in ("full", "swa"):
             raise ValueError(f"group {i}: 'mla' applies to 'full' and 'swa' only")
+        if group.get("prefill_checkpoint") and kind != "mamba":
+            raise ValueError(f"group {i}: 'prefill_checkpoint' applies to 'mamba' only")
 
 
 def build_kv_cache_spec(
@@ -317,6 +326,7 @@ def build_kv_cache_spec(
             (torch.float32,),
             mamba_cache_mode="align",
             num_speculative_blocks=num_speculative_blocks,
+            **(MAMBA2_PREFILL_CHECKPOINT if group.get("prefill_checkpoint") else {}),
             **kw,
         )
     kw.update(

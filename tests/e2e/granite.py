@@ -9,8 +9,9 @@ where it fails). Two ways, and each is a setting here:
   loader beside kvhit's) sets the Mamba spec's checkpoint blocks to 0; the scheduler then stops prefills at
   the Mamba block boundaries itself, a layout kvhit models (write side included). At retention 0 and dense.
 * ``budget128``: vLLM as it ships, with a token budget of one block (``--max-num-batched-tokens 128``), so
-  that no chunk is long enough to take a checkpoint. The Mamba spec still declares checkpoint blocks, which
-  kvhit does not model: the whole layout is left to vLLM.
+  that no chunk is long enough to take a checkpoint. The Mamba spec still declares checkpoint blocks; kvhit
+  enforces the layout (it keeps a backend checkpoint only where it is the prompt's resume point, and ends a
+  chunk at every other state the reference keeps).
 """
 
 from __future__ import annotations

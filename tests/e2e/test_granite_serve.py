@@ -2,9 +2,9 @@
 
 The tiny GraniteMoeHybridForCausalLM of make_models.py is served by vLLM 0.32.0's CPU build with prefix
 caching in Mamba align mode, in the settings of granite.py: with the test's plugin that turns off the Mamba-2
-mid-prefill checkpoints the CPU cannot take (``nockpt-*``: a layout kvhit models, write side included), at
-retention 0 and dense, and as vLLM ships it with a one-block token budget (``budget128``: its checkpoints are
-not modelled, so kvhit leaves the whole layout to vLLM). No speculation: vLLM has no MTP module for Granite
+mid-prefill checkpoints the CPU cannot take (``nockpt-*``), at retention 0 and dense, and as vLLM ships it with
+a one-block token budget (``budget128``: the backend takes no checkpoint in a one-block chunk); kvhit models
+each layout, write side included. No speculation: vLLM has no MTP module for Granite
 and its model class does not support EAGLE (it lacks ``SupportsEagle``), and ngram gives wrong outputs on it.
 
 Expected numbers come from refimpl for the layout the enforce server reported: the first request 0, the first
@@ -81,19 +81,24 @@ def test_shadow_is_stock_on_the_hybrid(serve_granite):
                                                                          for n in LENGTHS}
 
 
-def test_as_vllm_ships_it_kvhit_leaves_the_whole_layout_stock(serve_granite):
-    """With vLLM's own Mamba-2 spec (checkpoint blocks declared, a one-block budget so none is taken), kvhit
-    does not model the layout and enforce changes nothing: every reply is the off server's."""
+def test_as_vllm_ships_it_kvhit_enforces_the_layout(serve_granite):
+    """With vLLM's own Mamba-2 spec (checkpoint blocks declared, a one-block budget so that the backend
+    takes none), kvhit models the layout and owns its write side: the first repeats are the reference's,
+    every request of the stream gets at least the off server's cached tokens, and the greedy outputs are
+    the same."""
     enforce, off = serve_granite("budget128", "enforce"), serve_granite("budget128", "off")
     status = enforce.status()
-    assert status is not None and not status["modelled"], status
-    assert "backend-internal Mamba prefill checkpoints are not modelled" in status["unmodelled"], status
-    assert any("not modelled by the spec, left to vLLM" in line for line in kvhit_lines(enforce.log()))
-    assert [(n, enforce.first[n], enforce.repeat[n]) for n in LENGTHS] == [(n, off.first[n], off.repeat[n])
-                                                                          for n in LENGTHS]
-    assert [r for _, r in enforce.stream] == [r for _, r in off.stream]
-    # and stock is vllm_0_32 there too, on the layout the modelled settings reported
-    layout, speculation = engine_layout(serve_granite("nockpt-r0", "enforce").status())
+    assert status is not None and status["modelled"] and status["write_side"] == "reference", status
+    assert any("is modelled; mode enforce" in line for line in kvhit_lines(enforce.log()))
+    layout, speculation = engine_layout(status)
+    assert [(g.kind.value, g.block_size) for g in layout.groups] == [("mamba", BLOCK), ("full", BLOCK)]
     sizes = derive_sizes(layout, speculation)
+    assert {n: (enforce.first[n].cached_tokens, enforce.repeat[n].cached_tokens) for n in LENGTHS} == {
+        n: (0, repeat_hits(sizes, n, 0, REFERENCE, 1)[0]) for n in LENGTHS}
+    assert [name for name, _ in enforce.stream] == [name for name, _ in off.stream]
+    for (name, ours), (_, stock) in zip(enforce.stream, off.stream):
+        assert ours.cached_tokens >= stock.cached_tokens, (name, ours, stock)
+        assert ours.text == stock.text, name
+    # and stock's first repeats are vllm_0_32's
     assert {n: off.repeat[n].cached_tokens for n in LENGTHS} == {n: repeat_hits(sizes, n, 0, VLLM_0_32, 1)[0]
                                                                  for n in LENGTHS}

@@ -61,6 +61,7 @@ class ExpectedDifference:
 
 
 _PREFIX_CACHING = "tests/v1/core/test_prefix_caching.py::"
+_PARTIAL_HITS = "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py::"
 
 EXPECTED: tuple[ExpectedDifference, ...] = (
     ExpectedDifference(
@@ -89,6 +90,20 @@ EXPECTED: tuple[ExpectedDifference, ...] = (
         stock=(14,), enforce=(14, 15), finding=Finding.W2, kind=Kind.IMPROVEMENT,
         why="the reference also keeps the window ending at N = 256: a 288-token sibling hits 256 (stock 240); "
             "the resend hits 240 in both modes"),
+    # Full attention (DCP 8) + Mamba, hash-granular hits, Mamba specs with a backend-internal prefill checkpoint
+    # (enforced since the adapter keeps vLLM's internal checkpoint where it is the prompt's resume point):
+    # a block-aligned prompt, retention 0, then its resend (extension 0) or a 32-token longer sibling (32).
+    *(ExpectedDifference(
+        _PARTIAL_HITS + f"test_dcp_fine_hit_retention_uses_hash_alignment[{ext}-False-8-{h}-{b}-{n}-1]",
+        quantity=(f"Mamba states cached after a {n}-token prompt (full {b} at DCP 8 + Mamba {b}, hash {h}, "
+                  "retention 0, no drafter)" if ext == 0 else
+                  f"hit of a {n + ext}-token sibling of the {n}-token prompt (the same layout)"),
+        stock=(n - h,) if ext == 0 else n - h, enforce=(n - h, n) if ext == 0 else n, finding=Finding.W2,
+        kind=Kind.IMPROVEMENT,
+        why=f"the reference also keeps the Mamba state at N = {n}, where a longer sibling resumes: the sibling "
+            f"hits {n} (stock {n - h}); the resend hits {n - h} in both modes")
+      for ext in (0, 32) for h, b, n in ((16, 16, 512), (128, 896, 7168))),
 )
-"""Every expected enforce difference at HEAD (ae398c4), observed by ``make vllm-tests``. None is a kvhit
-bug: the six there were at 736d285 (docs/vllm-tests.md, "History") were fixed by d2711fb."""
+"""Every expected enforce difference, observed by ``make vllm-tests``. None is a kvhit bug: the six there
+were at 736d285 (docs/vllm-tests.md, "History") were fixed by d2711fb. The last four came with enforcing
+layouts whose Mamba specs declare a backend-internal prefill checkpoint (before, left wholly to vLLM)."""
