@@ -1358,6 +1358,12 @@ def backend_checkpoint(sched: scheduler.Scheduler, request, start: int, end: int
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
     if not sched.mamba_has_prefill_checkpoint_blocks or end < prefill_end:
         return None
+    # After the split, schedule() may still cut the chunk below the prompt end, and the manager would then
+    # reserve nothing: the prefill lookahead (a chunk ending short of the request's last token), encoder
+    # inputs, and a replayed prefix (whose chunk starts below the split's start). None of that is taken on
+    # trust: the scheduler seam then ends the chunk at the state itself.
+    if end < request.num_tokens or request.has_encoder_inputs or getattr(sched, "prefix_replay_tokens", 0):
+        return None
     unit = sched.hash_block_size if sched.mamba_partial_cache_hit else sched.block_size
     position = _checkpoint_position(prefill_end, unit, sched.use_eagle_block_drop,
                                     getattr(sched, "num_hash_lookahead_tokens", 0))

@@ -156,7 +156,8 @@ CASES = {
         "nemotron_h_mtp", _MTP2, scheduler_run.nemotron_h_mtp_swa_layers, 1600), 4800, (1000, 6500),
         soak_streams=3),
     # The same three with every Mamba layer declaring a backend-internal prefill checkpoint, as vLLM's
-    # Mamba-2 layers do (Nemotron-H, Granite 4): enforce turns it off and stops the chunks itself
+    # Mamba-2 layers do (Nemotron-H, Granite 4): the backend saves the prompt's state inside its last chunk,
+    # and enforce relies on that only where vLLM's scheduler and Mamba manager both take it
     "qwen3next-mtp2-drop-ckpt": Case("qwen3next", "drop", 2, True, SchedulerSetup(
         "nemotron_h_mtp", {**_MTP2, "disable_lookahead_block_hashes": True},
         with_backend_checkpoints(scheduler_run.nemotron_h_mtp_layers), 1600), 4800, (1000, 6500), soak_streams=3),

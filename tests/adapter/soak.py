@@ -5,7 +5,8 @@
 
 Each stream runs on one of the modelled catalogue layouts of ``tests.adapter.serving.CASES`` (in turn),
 with a token budget of 2048 or 8192, a KV pool that is either vLLM's default here (room for four
-requests of the model length) or 1.05 to 2 times what one request needs, so that the pool evicts and the
+requests of the model length) or 1.05 to 2 times what one request needs (but never in the window where a
+partial Mamba hit waits forever, docs/findings.md S2: :func:`s2_floor`), so that the pool evicts and the
 scheduler preempts, and vLLM's ``Scheduler`` or, for about half the configurations, its ``AsyncScheduler``
 with one step in flight (async scheduling, ``serving.serve_stream``). Several streams run through one scheduler, as through a server
 (``Case.soak_streams``). A stream has two system prompts and 6 to 14 requests (``Case.soak_requests``):
@@ -90,6 +91,34 @@ def s1_unit(case: serving.Case) -> tuple[int, int] | None:
     if sizes.partial_hits and sizes.prefill_lookahead >= 2 and any(g.kind is R.Kind.MAMBA for g in sizes.groups):
         return sizes.hash_block, sizes.prefill_lookahead
     return None
+
+
+def mamba_partial_hit_groups(case: serving.Case) -> int:
+    """How many Mamba groups the case reads at hash granularity (partial hash hits), else 0."""
+    import kvhit.refimpl as R
+    from kvhit.convert import to_refimpl
+    from kvhit.spec.catalogue import CATALOGUE
+
+    sizes = R.derive_sizes(to_refimpl(CATALOGUE[case.catalogue]), serving.speculation_of(case))
+    return sum(g.kind is R.Kind.MAMBA for g in sizes.groups) if sizes.partial_hits else 0
+
+
+_S2_FLOOR: dict = {}
+
+
+def s2_floor(name: str, models_dir: str, budget: int) -> int:
+    """The fewest pool blocks the soak gives the case ``name``: vLLM's own minimum (one request of the model length,
+    ``serving.one_request_blocks``, and the null block), and on a layout with Mamba read at hash granularity
+    two more per such Mamba group. A resend with a partial Mamba hit needs more blocks than vLLM's
+    ``max_memory_usage_bytes`` says one request needs, and on a pool between the two it waits forever, stock
+    and enforce alike (docs/findings.md, S2: ``qwen3next_pmu160`` MTP 1 drop on 13 blocks, where the minimum is
+    12, once stopped the soak in every mode); the soak's tight pools stay clear of that window."""
+    key = (name, budget)
+    if key not in _S2_FLOOR:
+        case = serving.CASES[name]
+        scheduler, _ = serving.build(case, models_dir, budget)
+        _S2_FLOOR[key] = serving.one_request_blocks(scheduler) + 1 + 2 * mamba_partial_hit_groups(case)
+    return _S2_FLOOR[key]
 
 
 def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arrival]:
@@ -225,6 +254,8 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
         # and reinstalls kvhit), and kvhit's uninstall puts vLLM's originals back over any wrapper, so an
         # observer entered earlier would stop seeing lookups and the soak would check none.
         num_gpu_blocks = serving.pool_blocks(case, models_dir, budget, pool, async_scheduling=async_scheduling)
+        if num_gpu_blocks is not None:
+            num_gpu_blocks = max(num_gpu_blocks, s2_floor(name, models_dir, budget))
         with serving.Observer() as observer:
             scheduler, block_hasher = serving.build(case, models_dir, budget, num_gpu_blocks, async_scheduling)
             observer.attach(scheduler)

@@ -232,6 +232,25 @@ def test_enforce_never_gives_less_than_stock(runs, run):
     assert not below, (run, "(request, stock, enforce)", hits)
 
 
+def test_c2_stock_loses_the_checkpoint_through_the_scheduler_and_enforce_keeps_it(runs):
+    """Candidate C2 (docs/findings.md) through vLLM's real ``Scheduler``: on ``three_kind`` with checkpoints,
+    budget 2048, ``b`` (11197 tokens) resumes after its preemption and its last chunk runs from 10880 to the
+    prompt end, past its checkpoint at 11040, for which the Mamba manager reserves no block (the scheduler
+    judges it on the 160-token block, the manager on 1600): stock's first repeat hits 3200, its second 11040.
+    Enforce ends that chunk at 11040 itself: 11040 from the first repeat, the reference's."""
+    run = "three_kind-mtp2-lookahead-ckpt/preempting/2048"
+    assert repeats(runs["stock"], run) == (3200, 11040)
+    assert repeats(runs["enforce"], run) == (11040, 11040) == (_steady(run, 11197),) * 2
+
+    def chunks_of_b(mode):
+        return [(computed, step["num_scheduled_tokens"]["b"]) for step in runs[mode]["runs"][run]["trace"]
+                for rid, computed in zip(step["cached_reqs"]["req_ids"], step["cached_reqs"]["num_computed_tokens"])
+                if rid == "b"]
+
+    assert (10880, 11197 - 10880) in chunks_of_b("stock")
+    assert (10880, 11040 - 10880) in chunks_of_b("enforce")
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", list(serving.CASES))
 def test_async_scheduling_changes_no_hit_of_the_concurrent_stream(runs, case, mode):
