@@ -15,7 +15,7 @@ import kvhit.refimpl as R
 from kvhit.convert import to_refimpl
 from kvhit.spec.catalogue import CATALOGUE
 from tests.conformance.differential import to_harness
-from tests.conformance.vllm_harness import VllmHarness
+from tests.conformance.vllm_harness import VllmHarness, with_prefill_checkpoints
 
 
 def harness_layout(name, dcp: int = 1, prefill_checkpoint: bool = False) -> dict:
@@ -25,9 +25,7 @@ def harness_layout(name, dcp: int = 1, prefill_checkpoint: bool = False) -> dict
     checkpoint, as vLLM's Mamba-2 layers do."""
     layout = CATALOGUE[name] if isinstance(name, str) else name
     out = to_harness(replace(layout, dcp=dcp))
-    if prefill_checkpoint:
-        out["groups"] = [{**g, "prefill_checkpoint": True} if g["kind"] == "mamba" else g for g in out["groups"]]
-    return out
+    return with_prefill_checkpoints(out) if prefill_checkpoint else out
 
 
 def refimpl_layout(name: str, dcp: int = 1) -> R.Layout:

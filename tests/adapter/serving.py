@@ -63,15 +63,17 @@ def catalogue_layers(name: str) -> Callable:
 
 def with_backend_checkpoints(layers_of: Callable) -> Callable:
     """``layers_of`` with every Mamba layer declaring a backend-internal prefill checkpoint, as vLLM's
-    ``MambaMixer2.get_kv_cache_spec`` does for every Mamba-2 layer (``num_prefill_checkpoint_blocks=1``,
-    ``prefill_checkpoint_alignment=1``): the scheduler then lets the prompt's last chunk run past the Mamba
-    checkpoint, which the backend saves inside the forward pass."""
+    ``MambaMixer2.get_kv_cache_spec`` does for every Mamba-2 layer (``vllm_harness.MAMBA2_PREFILL_CHECKPOINT``):
+    the scheduler then lets the prompt's last chunk run past the Mamba checkpoint, which the backend saves
+    inside the forward pass."""
 
     def layers(vllm_config) -> dict:
         from vllm.v1.kv_cache_interface import MambaSpec
 
-        return {name: dataclasses.replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
-                if isinstance(spec, MambaSpec) else spec for name, spec in layers_of(vllm_config).items()}
+        from tests.conformance.vllm_harness import MAMBA2_PREFILL_CHECKPOINT
+
+        return {name: dataclasses.replace(spec, **MAMBA2_PREFILL_CHECKPOINT) if isinstance(spec, MambaSpec)
+                else spec for name, spec in layers_of(vllm_config).items()}
 
     return layers
 

@@ -27,7 +27,7 @@ import kvhit.refimpl as R
 from kvhit.spec.catalogue import CATALOGUE
 
 from .differential import POLICY, to_harness, to_refimpl
-from .vllm_harness import MODES, VllmHarness
+from .vllm_harness import MODES, VllmHarness, with_prefill_checkpoints
 
 THREE_KIND = to_refimpl(CATALOGUE["three_kind"])
 BUDGET = 2048
@@ -44,8 +44,7 @@ def _serve_and_resend(mode, k, n, checkpoint):
     """The prompt's chunks on an empty cache, then its first and second resends' hits."""
     layout = to_harness(CATALOGUE["three_kind"])
     if checkpoint:
-        layout["groups"] = [{**g, "prefill_checkpoint": True} if g["kind"] == "mamba" else g
-                            for g in layout["groups"]]
+        layout = with_prefill_checkpoints(layout)
     harness = VllmHarness(layout, mode, num_speculative_tokens=k, multi_module_mtp=k > 1, retention_interval=0,
                           max_model_len=n + 4000, max_num_batched_tokens=BUDGET)
     tokens = [random.Random(n).randrange(1, 50_000) for _ in range(n)]

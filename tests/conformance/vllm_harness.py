@@ -209,6 +209,13 @@ MAMBA2_PREFILL_CHECKPOINT = {"num_prefill_checkpoint_blocks": 1, "prefill_checkp
 """What vLLM's ``MambaMixer2.get_kv_cache_spec`` sets on every Mamba-2 layer's ``MambaSpec``: one
 backend-internal prefill checkpoint block, at any offset (a Mamba group's ``"prefill_checkpoint": True``)."""
 
+
+def with_prefill_checkpoints(layout: dict) -> dict:
+    """``layout`` with every Mamba group declaring a backend-internal prefill checkpoint, as vLLM's Mamba-2
+    layers do."""
+    return {**layout, "groups": [{**g, "prefill_checkpoint": True} if g["kind"] == "mamba" else g
+                                 for g in layout["groups"]]}
+
 # Token id appended by every simulated sampling step. Prompts used with the
 # harness should avoid it if decode blocks must never match a prompt.
 DECODE_TOKEN_ID = 0
