@@ -3,17 +3,17 @@
 
     python -m tests.adapter.soak [--lookups N] [--seed S] [--json OUT] [--table]     (make soak)
 
-Each stream runs on one of the modelled catalogue layouts of ``tests.adapter.serving.CASES`` (in turn),
-with a token budget of 2048 or 8192, a KV pool that is either vLLM's default here (room for four
-requests of the model length) or 1.05 to 2 times what one request needs (but never in the window where a
-partial Mamba hit waits forever, docs/findings.md S2: :func:`s2_floor`), so that the pool evicts and the
-scheduler preempts, and vLLM's ``Scheduler`` or, for about half the configurations, its ``AsyncScheduler``
-with one step in flight (async scheduling, ``serving.serve_stream``). Several streams run through one scheduler, as through a server
-(``Case.soak_streams``). A stream has two system prompts and 6 to 14 requests (``Case.soak_requests``):
-new prompts (a system prompt and a suffix), resends of earlier prompts, longer siblings (an earlier prompt
-and up to ``serving.LONGER_SIBLING`` tokens more) and divergent siblings (an earlier prompt cut and
-continued differently); each decodes 1 to ``serving.MAX_DECODE`` tokens, and arrives 0 to 3 steps after
-the one before, some only once an earlier one finished, so that several are in flight at once.
+Each stream runs on one of the modelled catalogue layouts of ``tests.adapter.serving.CASES`` (in turn), with a
+token budget of 2048 or 8192, a KV pool that is either vLLM's default here (room for four requests of the
+model length) or 1.05 to 2 times what one request needs (but never in the window where a partial Mamba hit
+waits forever, docs/findings.md S2: :func:`s2_floor`), so that the pool evicts and the scheduler preempts, and
+vLLM's ``Scheduler`` or, for about half the configurations, its ``AsyncScheduler`` with one step in flight
+(async scheduling, ``serving.serve_stream``). Several streams run through one scheduler, as through a server
+(``Case.soak_streams``). A stream has two system prompts and 6 to 14 requests (``Case.soak_requests``): new
+prompts (a system prompt and a suffix), resends of earlier prompts, longer siblings (an earlier prompt and up
+to ``serving.LONGER_SIBLING`` tokens more) and divergent siblings (an earlier prompt cut and continued
+differently); each decodes 1 to ``serving.MAX_DECODE`` tokens, and arrives 0 to 3 steps after the one before,
+some only once an earlier one finished, so that several are in flight at once.
 
 Every lookup the scheduler makes (``find_longest_cache_hit`` as kvhit's seam answers it) is checked
 (``serving.lookup_problems``): every block returned carries the request's hash at its position, every

@@ -1,12 +1,12 @@
 """A layout kvhit cannot enforce whole is left wholly to vLLM: read side and write side, in every mode.
 
 Enforce promises that the first repeat of a prompt hits what the second does, and never less than stock; the
-reference read side on vLLM's write side promises neither. So where the spec does not model a layout's
-write side (a Mamba group read at hash granularity in EAGLE drop mode with multi-module MTP, chunked local
-attention, EAGLE drop mode in which only Mamba groups drop, a retention interval its write side rejects), or the scheduler's config adds what the spec does
-not model (a KV connector; auxiliary outputs, which cap lookups below ``N - 1``), the coordinator is
-unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``, and reported in the status file.
-Shadow does the same, so that its counters say what enforce does.
+reference read side on vLLM's write side promises neither. So where the spec does not model a layout's write
+side (a Mamba group read at hash granularity in EAGLE drop mode with multi-module MTP, chunked local
+attention, EAGLE drop mode in which only Mamba groups drop, a retention interval its write side rejects), or
+the scheduler's config adds what the spec does not model (a KV connector; auxiliary outputs, which cap lookups
+below ``N - 1``), the coordinator is unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``,
+and reported in the status file. Shadow does the same, so that its counters say what enforce does.
 
 Through vLLM's real ``Scheduler`` (``tests/adapter/scheduler_run.py``, one process per mode) for the catalogue's
 ``qwen3next_pmu160`` and ``three_kind`` with two MTP modules in drop mode, and a Llama + EAGLE with a KV
