@@ -186,11 +186,11 @@ def test_the_conditions_happen(runs, run):
         assert sibling["added"] < first["finished"], (first, sibling)
     else:
         assert sibling["preemptions"] or len(sibling["lookups"]) > 1, sibling
-    scheduler = runs["stock"]["runs"][run]["scheduler"]
-    if run.split("/")[1].endswith("-async"):  # an AsyncScheduler, stepped with one step in flight
-        assert (scheduler["class"], scheduler["most_in_flight"]) == ("AsyncScheduler", 2), scheduler
-    else:
-        assert (scheduler["class"], scheduler["most_in_flight"]) == ("Scheduler", 1), scheduler
+    # an AsyncScheduler stepped with one step in flight under -async, in every mode
+    want = ("AsyncScheduler", 2) if run.split("/")[1].endswith("-async") else ("Scheduler", 1)
+    for mode in MODES:
+        scheduler = runs[mode]["runs"][run]["scheduler"]
+        assert (scheduler["class"], scheduler["most_in_flight"]) == want, (mode, scheduler)
 
 
 @pytest.mark.parametrize("run", RUNS)
