@@ -222,7 +222,7 @@ def pool_blocks(case: Case, models_dir: str, budget: int, pool, arrivals: Sequen
         kvhit.uninstall()
     try:
         scheduler, block_hasher = build(case, models_dir, budget, async_scheduling=async_scheduling)
-        least = one_request_blocks(scheduler) + 1  # and the null block
+        least = minimum_pool(scheduler)
         if pool == "preempt":
             stats: dict = {}
             serve_stream(scheduler, block_hasher, arrivals, stats=stats)
@@ -231,6 +231,12 @@ def pool_blocks(case: Case, models_dir: str, budget: int, pool, arrivals: Sequen
         if mode != "off":
             kvhit.install(mode)
     return math.ceil(pool * (least - 1)) + 1
+
+
+def minimum_pool(scheduler) -> int:
+    """vLLM's smallest pool for the scheduler's model length: the blocks of one request of that length
+    (:func:`one_request_blocks`) and the null block."""
+    return one_request_blocks(scheduler) + 1
 
 
 def one_request_blocks(scheduler) -> int:

@@ -76,6 +76,15 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return rng.choices(TOKEN_IDS, k=n)
 
 
+def _sizes(case: serving.Case):
+    """The refimpl sizes of the case's catalogue layout and speculative setting."""
+    import kvhit.refimpl as R
+    from kvhit.convert import to_refimpl
+    from kvhit.spec.catalogue import CATALOGUE
+
+    return R.derive_sizes(to_refimpl(CATALOGUE[case.catalogue]), serving.speculation_of(case))
+
+
 def s1_unit(case: serving.Case) -> tuple[int, int] | None:
     """``(h, Lp)`` when the case has partial hash hits, a Mamba group and a prefill lookahead ``Lp >= 2``, else
     None. vLLM 0.33 never finishes a prefill there whose prompt ends 1 to ``Lp - 1`` tokens past a multiple of
@@ -84,31 +93,27 @@ def s1_unit(case: serving.Case) -> tuple[int, int] | None:
     end elsewhere (one such stream, ``qwen3next_pmu160`` with a 9601-token prompt, once stopped the soak in
     every mode). The scheduler's stops are all multiples of the hash unit there."""
     import kvhit.refimpl as R
-    from kvhit.convert import to_refimpl
-    from kvhit.spec.catalogue import CATALOGUE
 
-    sizes = R.derive_sizes(to_refimpl(CATALOGUE[case.catalogue]), serving.speculation_of(case))
+    sizes = _sizes(case)
     if sizes.partial_hits and sizes.prefill_lookahead >= 2 and any(g.kind is R.Kind.MAMBA for g in sizes.groups):
         return sizes.hash_block, sizes.prefill_lookahead
     return None
 
 
-def mamba_partial_hit_groups(case: serving.Case) -> int:
-    """How many Mamba groups the case reads at hash granularity (partial hash hits), else 0."""
+def fine_mamba_groups(case: serving.Case) -> int:
+    """How many Mamba groups the case reads at hash granularity (the spec's ``fine`` groups, as
+    ``refimpl.mamba_at_hash_granularity`` asks)."""
     import kvhit.refimpl as R
-    from kvhit.convert import to_refimpl
-    from kvhit.spec.catalogue import CATALOGUE
 
-    sizes = R.derive_sizes(to_refimpl(CATALOGUE[case.catalogue]), serving.speculation_of(case))
-    return sum(g.kind is R.Kind.MAMBA for g in sizes.groups) if sizes.partial_hits else 0
+    return sum(sg.kind is R.Kind.MAMBA and sg.fine for sg in _sizes(case).groups)
 
 
 _S2_FLOOR: dict = {}
 
 
 def s2_floor(name: str, models_dir: str, budget: int) -> int:
-    """The fewest pool blocks the soak gives the case ``name``: vLLM's own minimum (one request of the model length,
-    ``serving.one_request_blocks``, and the null block), and on a layout with Mamba read at hash granularity
+    """The fewest pool blocks the soak gives the case ``name``: vLLM's own minimum (``serving.minimum_pool``),
+    and on a layout with Mamba read at hash granularity
     two more per such Mamba group. A resend with a partial Mamba hit needs more blocks than vLLM's
     ``max_memory_usage_bytes`` says one request needs, and on a pool between the two it waits forever, stock
     and enforce alike (docs/findings.md, S2: ``qwen3next_pmu160`` MTP 1 drop on 13 blocks, where the minimum is
@@ -117,7 +122,7 @@ def s2_floor(name: str, models_dir: str, budget: int) -> int:
     if key not in _S2_FLOOR:
         case = serving.CASES[name]
         scheduler, _ = serving.build(case, models_dir, budget)
-        _S2_FLOOR[key] = serving.one_request_blocks(scheduler) + 1 + 2 * mamba_partial_hit_groups(case)
+        _S2_FLOOR[key] = serving.minimum_pool(scheduler) + 2 * fine_mamba_groups(case)
     return _S2_FLOOR[key]
 
 

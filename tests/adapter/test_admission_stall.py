@@ -34,7 +34,7 @@ def _serve_twice(models_dir: str, extra_blocks: int):
     hits, or ``["stalled", the resend's hit, blocks it needs, blocks free]``."""
     case = serving.CASES[CASE]
     scheduler, _ = serving.build(case, models_dir, 8192)
-    least = serving.one_request_blocks(scheduler) + 1
+    least = serving.minimum_pool(scheduler)
     scheduler, block_hasher = serving.build(case, models_dir, 8192, least + extra_blocks)
     prompt = tuple(serving.tokens(random.Random(N), N))
     try:

@@ -49,17 +49,17 @@ def _cases():
         for dcp in dcps:
             for mode in MODES:
                 for retention in _retentions(name, dcp):
-                    yield pytest.param(name, dcp, lengths, mode, 1, retention,
+                    yield pytest.param(name, dcp, lengths, mode, 1, retention, False,
                                        id=f"{name}-dcp{dcp}-{mode}-ri{retention}")
     for mode in ("lookahead", "drop"):  # Qwen3-Next-like with multi-module MTP, 2 speculative tokens
         for retention in _retentions("qwen3next"):
-            yield pytest.param("qwen3next", 1, (11910, 8000), mode, 2, retention,
+            yield pytest.param("qwen3next", 1, (11910, 8000), mode, 2, retention, False,
                                id=f"qwen3next-dcp1-{mode}-mtp2-ri{retention}")
     # With a Mamba group read at hash granularity, multi-module MTP only with lookahead hashes: in drop mode
     # the layout is left to vLLM (test_mamba_read_at_hash_granularity_with_mtp_drop_is_left_wholly_to_vllm).
     for name in ("qwen3next_pmu160", "three_kind"):
         for retention in _retentions(name):
-            yield pytest.param(name, 1, (11910, 8000), "lookahead", 2, retention,
+            yield pytest.param(name, 1, (11910, 8000), "lookahead", 2, retention, False,
                                id=f"{name}-dcp1-lookahead-mtp2-ri{retention}")
     # Every Mamba layer declaring a backend-internal prefill checkpoint, as vLLM's Mamba-2 layers do: the
     # scheduler lets the prompt's last chunk run past the checkpoint, which the backend saves inside it.
@@ -98,8 +98,7 @@ def _reference_retained(sizes, n, retention):
             for k in range(len(sizes.groups))]
 
 
-@pytest.mark.parametrize("name, dcp, lengths, mode, k, retention, checkpoint",
-                         [p if len(p.values) == 7 else pytest.param(*p.values, False, id=p.id) for p in _cases()])
+@pytest.mark.parametrize("name, dcp, lengths, mode, k, retention, checkpoint", list(_cases()))
 def test_enforce_write_side_leaves_the_reference_cache_and_repeats_are_stable(name, dcp, lengths, mode, k,
                                                                               retention, checkpoint):
     """One request on an empty cache leaves exactly the reference's retained boundaries (up to N - L),

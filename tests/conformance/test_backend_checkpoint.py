@@ -24,28 +24,22 @@ import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
 
 import kvhit.refimpl as R
-from kvhit.spec.catalogue import CATALOGUE
+from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 
-from .differential import POLICY, to_harness, to_refimpl
-from .vllm_harness import MODES, VllmHarness, with_prefill_checkpoints
+from .differential import POLICY
+from .vllm_harness import MODES, VllmHarness
 
-THREE_KIND = to_refimpl(CATALOGUE["three_kind"])
+THREE_KIND = refimpl_layout("three_kind")
 BUDGET = 2048
 # (mode, speculative tokens, N); vLLM 0.32.0 has no lookahead mode
 CASES = [c for c in [("lookahead", 2, 8000), ("lookahead", 2, 11910), ("none", 1, 8000), ("none", 1, 11910)]
          if c[0] in MODES]
 
 
-def _speculation(mode, k):
-    return R.Speculation("none") if mode == "none" else R.Speculation(mode, k, k > 1)
-
-
 def _serve_and_resend(mode, k, n, checkpoint):
     """The prompt's chunks on an empty cache, then its first and second resends' hits."""
-    layout = to_harness(CATALOGUE["three_kind"])
-    if checkpoint:
-        layout = with_prefill_checkpoints(layout)
-    harness = VllmHarness(layout, mode, num_speculative_tokens=k, multi_module_mtp=k > 1, retention_interval=0,
+    harness = VllmHarness(harness_layout("three_kind", prefill_checkpoint=checkpoint), mode,
+                          num_speculative_tokens=k, multi_module_mtp=k > 1, retention_interval=0,
                           max_model_len=n + 4000, max_num_batched_tokens=BUDGET)
     tokens = [random.Random(n).randrange(1, 50_000) for _ in range(n)]
     chunks = harness.serve(tokens, decode_steps=0)["chunks"]
@@ -58,7 +52,7 @@ def _serve_and_resend(mode, k, n, checkpoint):
 
 @pytest.mark.parametrize("mode, k, n", CASES)
 def test_without_the_checkpoint_both_resends_hit_the_models_number(mode, k, n):
-    sizes = R.derive_sizes(THREE_KIND, _speculation(mode, k))
+    sizes = R.derive_sizes(THREE_KIND, speculation(mode, k, k > 1))
     _, hits = _serve_and_resend(mode, k, n, checkpoint=False)
     assert hits == R.repeat_hits(sizes, n, 0, POLICY, 2)
     assert hits[0] == hits[1] > 0
@@ -66,7 +60,7 @@ def test_without_the_checkpoint_both_resends_hit_the_models_number(mode, k, n):
 
 @pytest.mark.parametrize("mode, k, n", CASES)
 def test_c2_with_the_checkpoint_the_first_resend_misses(mode, k, n):
-    sizes = R.derive_sizes(THREE_KIND, _speculation(mode, k))
+    sizes = R.derive_sizes(THREE_KIND, speculation(mode, k, k > 1))
     chunks, hits = _serve_and_resend(mode, k, n, checkpoint=True)
     assert hits == (0, R.repeat_hits(sizes, n, 0, POLICY, 2)[1]), (chunks, hits)
     # The cause, in vLLM's own functions: the last chunk's checkpoint is valid on the config's block (160)
