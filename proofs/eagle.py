@@ -23,7 +23,7 @@ def eagle_loses_at_most_one_block_beyond_alignment(ctx):
     r0 = ctx.P.num_hashes(sizes0, ctx.n) * sizes0.hash_block
     peek_held = and_(h0 <= r1, ctx.serves(h0))
     part_a = or_(not_(peek_held), h1 >= h0)
-    bound = floor_to(min_(ctx.n - 1, r1 - sizes1.eagle_unit), sizes1.alignment)
+    bound = ctx.probe(floor_to(min_(ctx.n - 1, r1 - sizes1.eagle_unit), sizes1.alignment))
     part_b = or_(not_(ctx.dense(r0)), h1 >= bound)
     return converged, and_(part_a, part_b)
 

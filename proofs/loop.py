@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 from kvhit.spec import policy as spec_policy
 from kvhit.spec.domain import Kind
-from kvhit.spec.lower_z3 import Z3Lowering
+from kvhit.spec.lower_z3 import ContractLowering, Z3Lowering
 from kvhit.spec.terms import and_, eq, ite, max_, or_
 
 
@@ -49,6 +49,17 @@ class SummaryLowering(Z3Lowering):
         if bound > 1:
             raise LoopNotSummarised(f"a fixed-point loop of {bound} passes outside the context's hit_tokens")
         return range(bound)
+
+
+class ContractSummaryLowering(ContractLowering, SummaryLowering):
+    """The summary's lowering with every scan its contract (:class:`~kvhit.spec.lower_z3.ContractLowering`)."""
+
+
+def lowering_for(summary: bool, contract: bool) -> Z3Lowering:
+    """The lowering a check runs under: the loop summarised or not, each scan exact or its contract."""
+    if contract:
+        return ContractSummaryLowering() if summary else ContractLowering()
+    return SummaryLowering() if summary else Z3Lowering()
 
 
 def summarised(sizes, rules) -> bool:
@@ -112,28 +123,42 @@ def check_every_run(invariant, rules, config):
     """:func:`kvhit.proofs.model.check` of a read- or write-side claim, every run of vLLM's loop covered where
     the summary proves it: ``(verdict, seconds, cex, rlimit)``. Where the policy runs the loop beyond its
     simple case, the summary is tried first; if it does not prove the claim, the unrolled check decides, and
-    a PROVED from it carries ``cex = {"loop": ...}`` saying it covers only the runs within its passes."""
+    a PROVED from it carries ``cex = {"loop": ...}`` saying it covers only the runs within its passes. Each
+    check is tried under the scans' contracts first (:func:`check_by_contract`)."""
     from kvhit.spec.sizes import derive_sizes
-
-    from .model import check
 
     sizes = derive_sizes(config.layout, config.speculation, rules.scale_replicated)
     if not summarised(sizes, rules):
-        return check(invariant, rules, config)
+        return check_by_contract(invariant, rules, config)
     # The summary is sound where every pass stays within its start (hit_loop_terminates, on the
     # configuration's read side): checked here first, not assumed.
     terminates, seconds, spent = _terminates(rules, config)
     if terminates:
         try:
-            verdict, more_seconds, cex, more_spent = check(invariant, rules, config, summary=True)
+            verdict, more_seconds, cex, more_spent = check_by_contract(invariant, rules, config, summary=True)
             seconds, spent = seconds + more_seconds, spent + more_spent
             if verdict == "PROVED":
                 return verdict, seconds, None, spent
         except LoopNotSummarised:
             pass
-    verdict, more_seconds, cex, more_spent = check(invariant, rules, config)
+    verdict, more_seconds, cex, more_spent = check_by_contract(invariant, rules, config)
     if verdict == "PROVED":
         cex = {WITHIN_PASSES: f"runs within {spec_policy.pass_bound(sizes)} passes"}
+    return verdict, seconds + more_seconds, cex, spent + more_spent
+
+
+def check_by_contract(invariant, rules, config, summary: bool = False):
+    """:func:`kvhit.proofs.model.check`, tried first with every scan replaced by its contract (sound for
+    PROVED: :class:`~kvhit.spec.lower_z3.ContractLowering`); where that does not prove the claim, the exact
+    lowering decides. Seconds and units count both tries."""
+    from .model import check
+
+    if not invariant.by_contract(config):
+        return check(invariant, rules, config, summary=summary)
+    verdict, seconds, cex, spent = check(invariant, rules, config, summary=summary, contract=True)
+    if verdict == "PROVED":
+        return verdict, seconds, cex, spent
+    verdict, more_seconds, cex, more_spent = check(invariant, rules, config, summary=summary)
     return verdict, seconds + more_seconds, cex, spent + more_spent
 
 
@@ -142,8 +167,8 @@ def _terminates(rules, config):
     on the configuration's read side."""
     from dataclasses import replace
 
-    from .model import READ_SIDE, check
+    from .model import READ_SIDE
     from .termination import INVARIANTS
 
-    verdict, seconds, _, spent = check(INVARIANTS[0], rules, replace(config, retention=READ_SIDE))
+    verdict, seconds, _, spent = check_by_contract(INVARIANTS[0], rules, replace(config, retention=READ_SIDE))
     return verdict == "PROVED", seconds, spent

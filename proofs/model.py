@@ -24,7 +24,7 @@ from kvhit.spec import policy as spec_policy
 from kvhit.spec import retention as spec_retention
 from kvhit.spec import sizes as spec_sizes
 from kvhit.spec.domain import NO_SPECULATION, Kind, Layout, Speculation
-from kvhit.spec.lower_z3 import SymbolicCache, SymbolicWrittenCache, fresh_int, lowering
+from kvhit.spec.lower_z3 import SymbolicCache, SymbolicWrittenCache, fresh_int
 from kvhit.spec.policy import Rules, pass_bound
 from kvhit.spec.sizes import Sizes, derive_sizes
 from kvhit.spec.terms import Term, _zv, installed
@@ -99,6 +99,9 @@ class Invariant:
             (:func:`kvhit.proofs.runner.compose`).
         default_only: a lemma of such a composition: ``--extended``, which checks the composed claims
             whole, leaves it out.
+        by_contract: configurations whose checks try the scans' contracts first
+            (:func:`kvhit.proofs.loop.check_by_contract`); off where they were measured not to decide the
+            claim, which saves the wasted try.
         lemmas: ``(invariant, policy)`` rows from whose verdicts a configuration the run does not check the
             claim on for the reference gets the reference's verdict (PROVED when every one is PROVED there,
             a read-side lemma on the configuration's read-side twin): only where the first lemma was checked
@@ -118,6 +121,7 @@ class Invariant:
     extended_policies: tuple = ()
     by_lemma: tuple = ()
     default_only: bool = False
+    by_contract: Callable[[Config], bool] = lambda config: True
     lemmas: tuple = ()
 
     @property
@@ -147,6 +151,14 @@ class _Context:
     n = None
     config: Config
     rules: Rules
+
+    probes: list
+
+    def probe(self, value):
+        """``value``, named to the scans' contracts as a point to state maximality at
+        (:class:`~kvhit.spec.lower_z3.ContractLowering`): a claim compares a hit with it."""
+        self.probes.append(value)
+        return value
 
     def sizes(self, speculation: Speculation | None = None) -> Sizes:
         layout, speculation = self.config.layout, speculation or self.config.speculation
@@ -198,6 +210,7 @@ class SymbolicContext(_Context):
         self.n = fresh_int("N")
         self.symbols: dict[str, Term] = {"N": self.n}
         self.shown: dict[str, object] = {}
+        self.probes = []
 
     def fresh(self, name: str) -> Term:
         self.symbols[name] = fresh_int(name)
@@ -220,6 +233,7 @@ class ReplayContext(_Context):
         self.cache = cache
         self.n = values["N"]
         self.shown: dict[str, object] = {}
+        self.probes = []
 
     def fresh(self, name: str):
         return self.values[name]
@@ -294,13 +308,18 @@ def _rlimit_count() -> int:
     return _z3().Solver().statistics().get_key_value("rlimit count")
 
 
-def solve(formulas):
+# A check under scan contracts (ContractLowering) that its first solver does not decide within this many units
+# goes to the exact lowering instead of the second solver: a contract check is cheap when it proves the claim.
+CONTRACT_PORTFOLIO = ((2, 300_000_000),)
+
+
+def solve(formulas, portfolio=PORTFOLIO):
     """``(result, model, reason, rlimit)`` of the conjunction of ``formulas``, by the solver portfolio;
     ``rlimit``: the resource units spent, over every try."""
     z3 = _z3()
     reason = ""
     start = _rlimit_count()
-    for arith, limit in PORTFOLIO:
+    for arith, limit in portfolio:
         z3.set_param("smt.arith.solver", arith)
         solver = z3.Solver()
         solver.set("rlimit", limit)
@@ -358,6 +377,15 @@ def _as_python(value, model):
     if isinstance(value, tuple):
         return tuple(_as_python(v, model) for v in value)
     return value
+
+
+def _flat(values):
+    """The values of ``values``, tuples opened."""
+    for v in values:
+        if isinstance(v, tuple):
+            yield from _flat(v)
+        else:
+            yield v
 
 
 def cache_from_runs(runs: dict) -> tuple:
@@ -438,28 +466,35 @@ def counterexample(config: Config, rules: Rules, values: dict, cache, described:
 
 
 def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None,
-          max_n: int | None = None, max_blocks: int | None = None, summary: bool = False):
+          max_n: int | None = None, max_blocks: int | None = None, summary: bool = False,
+          contract: bool = False):
     """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex,
     rlimit)`` (``rlimit``: Z3's resource units spent; 0 for a scenario decided without the solver).
     ``max_n`` bounds the prompt length and ``max_blocks`` the blocks the arbitrary cache holds
     (:meth:`~kvhit.spec.lower_z3.SymbolicCache.blocks`), to search for the smallest counterexample.
     With ``summary``, vLLM's Hybrid loop is its two-pass summary (:mod:`kvhit.proofs.loop`): PROVED then holds
     for every run, REFUTED is no verdict (the summary admits unreachable states); a claim running the loop
-    elsewhere raises :class:`kvhit.proofs.loop.LoopNotSummarised`."""
+    elsewhere raises :class:`kvhit.proofs.loop.LoopNotSummarised`. With ``contract``, every scan
+    (``max_aligned``) is its contract (:class:`~kvhit.spec.lower_z3.ContractLowering`), its maximality stated
+    at every scan's result and at the claim's symbols, shown values and probes: PROVED then holds, anything else is
+    no verdict ("UNDECIDED"; the exact lowering decides)."""
     if scenario is not None and scenario.concrete:
         return check_concrete(invariant, rules, scenario)
-    from .loop import SummaryLowering, summary_spec
+    from .loop import lowering_for, summary_spec
 
     z3 = _z3()
     start = time.perf_counter()
-    with installed(SummaryLowering()) if summary else lowering():
+    with installed(lowering_for(summary, contract)) as active:
         # A scenario's cache holds every block up to the hashes (one run) and no lookup reads past them.
         runs = 1 if scenario is not None else runs_needed(invariant, rules, config, summary)
         ctx = SymbolicContext(config, rules, runs)
         if summary:
             ctx.P = summary_spec(ctx, SPEC)
         assumption, claim = invariant.claim(ctx)
-        formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), _zv(assumption), z3.Not(_zv(claim))]
+        formulas = [_zv(assumption), z3.Not(_zv(claim))]
+        if contract:  # before the cache's well-formedness: a predicate evaluated here may read new runs
+            formulas += active.facts([*ctx.symbols.values(), *_flat(ctx.shown.values()), *ctx.probes])
+        formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), *formulas]
         if max_n is not None:
             formulas.append(ctx.n.z <= max_n)
         if max_blocks is not None:
@@ -470,11 +505,11 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
                 formulas.append(ctx.symbols[name].z == value)
             if not config.write_side:  # a write-side check builds its own caches
                 formulas.append(_zv(ctx.dense(ctx.P.num_hashes(ctx.sizes(), ctx.n) * ctx.sizes().hash_block)))
-        result, model, reason, spent = solve(formulas)
+        result, model, reason, spent = solve(formulas, CONTRACT_PORTFOLIO if contract else PORTFOLIO)
     seconds = time.perf_counter() - start
     if result == z3.unsat:
         return "PROVED", seconds, None, spent
-    if summary:  # the summary's model may be a state no run reaches: no verdict, nothing to replay
+    if summary or contract:  # the model may be a state no run reaches, or break a scan's maximality: no verdict
         return "UNDECIDED", seconds, None, spent
     if result == z3.unknown:
         return "UNKNOWN", seconds, {"reason": reason, "rlimit": spent}, spent

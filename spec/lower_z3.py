@@ -59,6 +59,52 @@ class Z3Lowering(Lowering):
         return SymbolicWrittenCache(groups)
 
 
+class ContractLowering(Z3Lowering):
+    """The Z3 lowering with each ``max_aligned`` up to a symbolic bound replaced by its contract: a fresh
+    multiple ``r`` of the step that is 0 or a point in range where the predicate holds, and no higher point
+    in range the predicate holds at, stated at the points a check names (:meth:`facts`). Every fact is true
+    of ``max_aligned``'s value on every input, so an assignment that satisfies the exact lowering's formulas
+    satisfies these with ``r`` its value: a claim this lowering proves, the exact one proves. The converse
+    fails where maximality is needed at a point that is not named, and the caller then decides with the
+    exact lowering (README, "Contracts")."""
+
+    def __init__(self):
+        self.scans: list[tuple[int, object, object, Term]] = []
+
+    def max_aligned(self, step: int, hi, pred):
+        if not is_symbolic(hi):
+            return runtime.max_aligned(step, hi, pred)
+        r = Term(_z3().Int(f"scan!{next(_fresh)}"), step)  # a multiple of step by its scale
+        self.scans.append((step, hi, pred, r))
+        return r
+
+    def facts(self, probes=()) -> list:
+        """The contract of every scan so far: for each point ``t`` (each other scan's result, and the
+        symbolic integers of ``probes``), ``t`` is no higher point in range the predicate holds at; then
+        ``r >= 0``, and ``r == 0`` or ``step <= r <= hi`` with the predicate at ``r``. Evaluating a predicate
+        may scan again: those scans get the second part too."""
+        z3 = _z3()
+        out = []
+        points = [r for _, _, _, r in self.scans] + [t for t in probes if _is_int(t)]
+        for step, hi, pred, r in list(self.scans):
+            for t in points:
+                if t is r:
+                    continue
+                inside = z3.And(_zv(eq(t % step, 0)), _zv(t >= step), _zv(t <= hi), _zv(t > r))
+                out.append(z3.Implies(inside, z3.Not(_zv(pred(t)))))
+        done = 0
+        while done < len(self.scans):
+            step, hi, pred, r = self.scans[done]
+            done += 1
+            out += [r.e >= 0, z3.Or(r.z == 0, z3.And(_zv(r >= step), _zv(r <= hi), _zv(pred(r))))]
+        return out
+
+
+def _is_int(t) -> bool:
+    """Whether ``t`` is a symbolic integer (a probe a scan's maximality can be stated at)."""
+    return isinstance(t, Term) and _z3().is_int(t.e)
+
+
 @contextmanager
 def lowering():
     """Run the spec's operators under the Z3 lowering (:class:`Z3Lowering`) until the block ends."""
