@@ -150,7 +150,8 @@ def check_every_run(invariant, rules, config):
 def check_by_contract(invariant, rules, config, summary: bool = False):
     """:func:`kvhit.proofs.model.check`, tried first with every scan replaced by its contract (sound for
     PROVED: :class:`~kvhit.spec.lower_z3.ContractLowering`); where that does not prove the claim, the exact
-    lowering decides. Seconds and units count both tries."""
+    lowering decides. Seconds and units count both tries. Where ``invariant.by_contract`` says the try was
+    measured not to decide the claim, the exact lowering decides alone."""
     from .model import check
 
     if not invariant.by_contract(config):
