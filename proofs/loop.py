@@ -52,7 +52,7 @@ class SummaryLowering(Z3Lowering):
 
 
 class ContractSummaryLowering(ContractLowering, SummaryLowering):
-    """The summary's lowering with every scan its contract (:class:`~kvhit.spec.lower_z3.ContractLowering`)."""
+    """The summary's lowering, every scan its contract (:class:`~kvhit.spec.lower_z3.ContractLowering`)."""
 
 
 def lowering_for(summary: bool, contract: bool) -> Z3Lowering:

@@ -476,8 +476,8 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     for every run, REFUTED is no verdict (the summary admits unreachable states); a claim running the loop
     elsewhere raises :class:`kvhit.proofs.loop.LoopNotSummarised`. With ``contract``, every scan
     (``max_aligned``) is its contract (:class:`~kvhit.spec.lower_z3.ContractLowering`), its maximality stated
-    at every scan's result and at the claim's symbols, shown values and probes: PROVED then holds, anything else is
-    no verdict ("UNDECIDED"; the exact lowering decides)."""
+    at every scan's result and at the claim's symbols, shown values and probes: PROVED then holds, anything
+    else is no verdict ("UNDECIDED"; the exact lowering decides)."""
     if scenario is not None and scenario.concrete:
         return check_concrete(invariant, rules, scenario)
     from .loop import lowering_for, summary_spec
@@ -509,7 +509,7 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     seconds = time.perf_counter() - start
     if result == z3.unsat:
         return "PROVED", seconds, None, spent
-    if summary or contract:  # the model may be a state no run reaches, or break a scan's maximality: no verdict
+    if summary or contract:  # the model may be a state no run reaches or break a scan's maximality: no verdict
         return "UNDECIDED", seconds, None, spent
     if result == z3.unknown:
         return "UNKNOWN", seconds, {"reason": reason, "rlimit": spent}, spent
