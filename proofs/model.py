@@ -152,12 +152,10 @@ class _Context:
     config: Config
     rules: Rules
 
-    probes: list
-
     def probe(self, value):
         """``value``, named to the scans' contracts as a point to state maximality at
-        (:class:`~kvhit.spec.lower_z3.ContractLowering`): a claim compares a hit with it."""
-        self.probes.append(value)
+        (:class:`~kvhit.spec.lower_z3.ContractLowering`): a claim compares a hit with it. Only a symbolic
+        check records it."""
         return value
 
     def sizes(self, speculation: Speculation | None = None) -> Sizes:
@@ -210,7 +208,7 @@ class SymbolicContext(_Context):
         self.n = fresh_int("N")
         self.symbols: dict[str, Term] = {"N": self.n}
         self.shown: dict[str, object] = {}
-        self.probes = []
+        self.probes: list[Term] = []
 
     def fresh(self, name: str) -> Term:
         self.symbols[name] = fresh_int(name)
@@ -224,6 +222,10 @@ class SymbolicContext(_Context):
         self.shown[name] = value
         return value
 
+    def probe(self, value):
+        self.probes.append(value)
+        return value
+
 
 class ReplayContext(_Context):
     def __init__(self, config: Config, rules: Rules, values: dict, cache):
@@ -233,7 +235,6 @@ class ReplayContext(_Context):
         self.cache = cache
         self.n = values["N"]
         self.shown: dict[str, object] = {}
-        self.probes = []
 
     def fresh(self, name: str):
         return self.values[name]
