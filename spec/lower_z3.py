@@ -565,18 +565,24 @@ class SymbolicWrittenCache:
         for k, ls in enumerate(self.layers):
             if not ls:
                 raise SpecError(f"spec group {k} has no layer")
-        # a layered group's readings, built once: k -> its _Pieces (sliding window), (k, unit, before, after)
-        # -> the window ends it covers
-        self._pieces, self._layered_ends = {}, {}
+        # each group's readings, built once: k -> its _Pieces (a layered sliding window), (k, unit, before,
+        # after) -> the window ends it covers (a check asks the same window at many points)
+        self._pieces, self._ends = {}, {}
 
     # -- the sets of window ends that are covered ----------------------------------------------------
     def _intervals(self, k, unit, before, after):
         """Window ends ``x`` (multiples of ``unit``) whose blocks ``[x/unit - before, x/unit + after)`` are
-        all held, as ``(lo, hi)`` or ``(lo, hi, period, phase)`` intervals of ``x``."""
+        all held, as ``(lo, hi)`` or ``(lo, hi, period, phase)`` intervals of ``x``; built once per window."""
         if before == 0 and after == 0:
             return None  # an empty window: always held
-        if len(self.layers[k]) > 1:
-            return self._layered_intervals(k, unit, before, after)
+        key = (k, unit, before, after)
+        if key not in self._ends:
+            self._ends[key] = (self._union_intervals(k, unit, before, after) if len(self.layers[k]) > 1
+                               else self._layer_intervals(k, unit, before, after))
+        return self._ends[key]
+
+    def _layer_intervals(self, k, unit, before, after):
+        """:meth:`_intervals` of a group of one layer."""
         g = self.layers[k][0]
         if g.kind is Kind.MAMBA:
             if before != 1 or after != 0 or unit != g.unit:
@@ -763,14 +769,8 @@ class SymbolicWrittenCache:
         class docstring)."""
         return sum(1 for h in ls if not h.every) + 1
 
-    def _layered_intervals(self, k, unit, before, after):
-        """:meth:`_intervals` of a group of several layers: the window ends the union of the layers covers."""
-        key = (k, unit, before, after)
-        if key not in self._layered_ends:
-            self._layered_ends[key] = self._union_intervals(k, unit, before, after)
-        return self._layered_ends[key]
-
     def _union_intervals(self, k, unit, before, after):
+        """:meth:`_intervals` of a group of several layers: the window ends the union of the layers covers."""
         ls = self._layered(k)
         g = ls[0]
         if g.kind is Kind.MAMBA:
