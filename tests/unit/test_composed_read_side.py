@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from kvhit.proofs import runner
+from kvhit.proofs.domains import reference_only
 from kvhit.proofs.model import SAME_HIT, SAME_HIT_PREMISES
 
 from .default_checks import CFGS, checks as _checks, index as _index
@@ -35,7 +36,12 @@ def test_the_default_run_composes_the_claim_and_checks_its_premises_whole():
     for premise in SAME_HIT_PREMISES:
         for policy in ("reference", "vllm_0_33_repaired"):
             on = {t[2] for t in tasks if t[0] == premise and t[1] == policy}
-            assert {i for i, c in enumerate(CFGS) if not c.write_side} <= on, (premise, policy)
+            judged = {i for i, c in enumerate(CFGS) if not c.write_side
+                      and (policy == "reference" or not reference_only(c, extended=False))}
+            assert judged <= on, (premise, policy)
+    # where the run checks only the reference (a HEAVY layout), nothing is composed for the policy
+    heavy = {i for i, c in enumerate(CFGS) if reference_only(c, extended=False)}
+    assert heavy and not {t[2] for t in tasks if t[1] == "vllm_0_33_repaired"} & heavy
     twin = CFGS[runner.speculation_twin(CFGS[_index("qwen3next dcp2 drop Lp=1")], CFGS)]
     assert twin.label == "qwen3next dcp2 none" and not twin.write_side
 
@@ -86,3 +92,15 @@ def test_a_premise_proved_only_within_the_unrolled_loop_or_missing_on_the_twin_d
     refuted = {**proved, (CLAIM, "reference", index): ("REFUTED", {"N": 9})}
     row = _compose(refuted)
     assert (row.verdict, row.counterexample) == ("REFUTED", {"N": 9})
+
+
+def test_nothing_is_composed_for_the_policy_where_only_the_reference_is_checked():
+    """A HEAVY layout's read side is checked for the reference only: the composition gives the repaired policy
+    no verdict there (its premises are not checked), rather than an UNKNOWN that fails the run or a PROVED
+    it has not earned."""
+    index = _index("dsv4_cuda drop Lp=1")
+    done = {(CLAIM, "reference", index): ("PROVED", None)}
+    for premise, who, j in _premises(index, "vllm_0_33_repaired"):
+        if who == "reference":
+            done[(premise, who, j)] = ("PROVED", None)
+    assert _compose(done) is None or "dsv4_cuda drop Lp=1" not in _compose(done).configs

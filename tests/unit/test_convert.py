@@ -13,7 +13,7 @@ from kvhit.spec.catalogue import CATALOGUE
 from kvhit.spec.domain import Group, Kind, Layout, Mode, Speculation
 
 LAYOUTS = list(CATALOGUE.values()) + domains.layouts(True)
-SPECULATIONS = (domains.WIDE_SPECULATIONS + domains.WRITE_SPECULATIONS
+SPECULATIONS = (domains.READ_SPECULATIONS + domains.WRITE_SPECULATIONS
                 + (Speculation(Mode.DROP, 3, multi_module_mtp=True, label="mtp3"),))
 # Between them, a non-default value in every field of Group (checked below, so a new field needs one here).
 GROUPS = (

@@ -2,8 +2,10 @@
 
 import pytest
 
-from kvhit.proofs.domains import configs
-from kvhit.spec.domain import Kind, Mode
+from kvhit.proofs import runner
+from kvhit.proofs.domains import HEAVY, configs, layouts, reference_only
+from kvhit.proofs.model import Config
+from kvhit.spec.domain import Kind, Mode, Speculation
 from kvhit.spec.sizes import derive_sizes
 
 
@@ -14,7 +16,7 @@ def test_the_qwen35_like_layouts_are_read_side_configurations_of_two_spec_groups
     KV-cache groups, on the read side only."""
     ours = [c for c in configs(extended=False) if c.layout.name == name]
     assert sorted(c.speculation.describe() for c in ours) == sorted(
-        ["none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "drop Lp=1"])
+        ["none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "lookahead Lp=4 mtp4", "drop Lp=1"])
     assert not any(c.write_side for c in ours)
     for config in ours:
         sizes = derive_sizes(config.layout, config.speculation)
@@ -23,3 +25,48 @@ def test_the_qwen35_like_layouts_are_read_side_configurations_of_two_spec_groups
         assert (mamba.kind, mamba.members, mamba.block) == (Kind.MAMBA, (1, 2, 3), 1600)
         assert sizes.hash_block == unit and not sizes.unitary
         assert full.drops == (config.speculation.mode is Mode.DROP) and not mamba.drops  # only the EAGLE group
+
+
+def test_drop_with_two_mtp_modules_reads_as_drop_on_every_layout():
+    """The read side enumerates drop once: on every layout of the extended domain, drop with two MTP modules
+    (``Lp = 2``) has a read-side twin, drop with ``Lp = 1``, whose lookups read the same sizes (the prefill
+    lookahead aside, which only the write side reads: tests/properties/test_read_twin.py), so the twin's
+    read-side verdicts are its own. Non-vacuity: lookahead with two modules has no such twin."""
+    read = [c for c in configs(extended=True) if not c.write_side]
+    mtp2_drop = Speculation(Mode.DROP, 2, multi_module_mtp=True)
+    checked = 0
+    for layout in layouts(extended=True):
+        try:
+            derive_sizes(layout, mtp2_drop)
+        except ValueError:
+            continue  # the spec rejects drop on this layout (chunked local attention)
+        twin = runner.read_twin(Config(layout, mtp2_drop, None), read)
+        assert twin is not None, layout.name
+        assert read[twin].speculation == Speculation(Mode.DROP, 1), layout.name
+        checked += 1
+        lookahead = runner.read_twin(Config(layout, Speculation(Mode.LOOKAHEAD, 2, multi_module_mtp=True), None),
+                                     [c for c in read if c.speculation.mode is not Mode.LOOKAHEAD])
+        assert lookahead is None, layout.name
+    assert checked == len(layouts(extended=True)) - 1  # all but chunked64
+
+
+def test_the_heavy_layouts_are_in_the_default_run_for_the_reference_only():
+    """HEAVY layouts' read side is checked by default for the reference in every speculative setting; vLLM's
+    policies, the releases and the known-bad variants there are --extended's."""
+    default = configs(extended=False)
+    heavy = [c for c in default if c.layout.name in HEAVY]
+    assert {c.layout.name for c in heavy} == set(HEAVY)
+    assert not any(c.write_side for c in heavy)
+    assert all(reference_only(c, extended=False) and not reference_only(c, extended=True) for c in heavy)
+    assert {c.speculation.describe() for c in heavy if c.layout.name == "dsv4_cuda"} == {
+        "none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "lookahead Lp=4 mtp4", "drop Lp=1"}
+    old = runner.EXTENDED, runner._CONFIGS
+    try:
+        runner.EXTENDED, runner._CONFIGS = False, None
+        on_heavy = {(name, policy) for name, policy, i, scenario in runner.tasks()
+                    if scenario is None and runner._configs()[i].layout.name in HEAVY}
+    finally:
+        runner.EXTENDED, runner._CONFIGS = old
+    assert {policy for _, policy in on_heavy} == {"reference"}
+    read_side = {inv.name for inv in runner.INVARIANTS if not inv.write_side}
+    assert {name for name, _ in on_heavy} == read_side
