@@ -45,7 +45,8 @@ $(VENV_VLLM032)/.installed: requirements/vllm-032-cpu.txt
 setup-vllm032: $(VENV_VLLM032)/.installed
 
 # vLLM 0.32.0's conformance: the read-side and write-side differentials, the D3 pin
-# (tests/conformance/test_junction_below.py), Candidate C2 (tests/conformance/test_backend_checkpoint.py) and
+# (tests/conformance/test_junction_below.py), Candidate C2 (tests/conformance/test_backend_checkpoint.py), the write
+# side under token budgets (tests/conformance/test_write_side_under_budgets.py) and
 # the findings' standalone reproductions
 # (tests/conformance/test_findings_reproduce.py) against 0.32.0's real classes and the vllm_0_32 policy, and kvhit's
 # 0.32.0 adapter (tests/conformance/test_adapter_on_0_32.py: vLLM's plugin loading, a real Scheduler), the harness
@@ -67,7 +68,8 @@ conformance-032: setup-vllm032 $(VENV_VLLM032)/.test-installed
 	$(VENV_VLLM032)/bin/python -m pytest -q -p no:cacheprovider tests/conformance/test_hit_tokens_matches_vllm.py \
 		tests/conformance/test_write_side_matches_vllm.py tests/conformance/test_junction_below.py \
 		tests/conformance/test_adapter_on_0_32.py tests/conformance/test_upgrade_on_both_engines.py \
-		tests/conformance/test_findings_reproduce.py tests/conformance/test_backend_checkpoint.py; rc=$$?; \
+		tests/conformance/test_findings_reproduce.py tests/conformance/test_backend_checkpoint.py \
+		tests/conformance/test_write_side_under_budgets.py; rc=$$?; \
 	echo "conformance-032: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # vLLM 0.32.0's long run: the two differential suites against 0.32.0's classes at the long run's sizes.

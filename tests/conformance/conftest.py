@@ -1,5 +1,6 @@
 """Conformance session summary: scenarios run, lookups compared, throughput and coverage."""
 
+from .budget_side import BUDGET_STATS
 from .differential import STATS
 from .vllm_harness import VLLM_VERSION
 from .write_side import WRITE_STATS
@@ -20,6 +21,23 @@ else:
 def pytest_terminal_summary(terminalreporter):
     _read_side(terminalreporter)
     _write_side(terminalreporter)
+    _budgets(terminalreporter)
+
+
+def _budgets(terminalreporter):
+    s = BUDGET_STATS
+    if s.scenarios == 0:
+        return
+    w = terminalreporter.write_line
+    terminalreporter.section(f"vLLM {VLLM_VERSION} write side under token budgets")
+    w(f"scenarios {s.scenarios} (first request cut by the budget: {s.cut}); lookups compared with the read side "
+      f"on vLLM's cache {s.lookups} (IndexError predicted and raised: {s.crashes}; stalls predicted: {s.stalls})")
+    w(f"boundaries vLLM kept beyond the model, at chunk ends: {s.extra_boundaries}; boundaries the model keeps "
+      f"and vLLM freed, none serving an aligned hit: {s.lost_boundaries}; first resends above the model's: "
+      f"{s.resends_above_model}")
+    w(f"throughput {s.scenarios / s.seconds if s.seconds else 0.0:.1f} scenarios/s ({s.seconds:.1f} s)")
+    for line in s.lines():
+        w(line)
 
 
 def _write_side(terminalreporter):

@@ -135,7 +135,9 @@ def in_scope(layout: Layout, speculation: Speculation, retention) -> bool:
     return True
 
 
-def build_write_harness(scenario: WriteScenario, sizes) -> VllmHarness:
+def build_write_harness(scenario: WriteScenario, sizes, max_num_batched_tokens: int = NO_BUDGET) -> VllmHarness:
+    """vLLM's manager and the scheduler's chunk clipping for ``scenario``, with a pool that evicts nothing and
+    the given token budget (by default one that never cuts a chunk, as the write side assumes)."""
     longest = scenario.n + max([op[1] for op in scenario.ops if op[0] == "sibling"], default=0)
     longest = max([longest] + [op[1] + max(op[2], op[3]) for op in scenario.ops if op[0] == "diverge"])
     longest += 4 + scenario.speculation.num_speculative_tokens
@@ -149,7 +151,7 @@ def build_write_harness(scenario: WriteScenario, sizes) -> VllmHarness:
     try:
         return VllmHarness(to_harness(scenario.layout), mode, num_speculative_tokens=k, multi_module_mtp=multi,
                            retention_interval=scenario.retention, num_gpu_blocks=2 * per_request + 64 + held,
-                           max_model_len=max_model_len, max_num_batched_tokens=NO_BUDGET)
+                           max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
     except ValueError as e:
         raise Mismatch(f"vLLM rejects a configuration whose write side the spec models: {e}\n"
                        f"{scenario.describe()}") from e
@@ -182,10 +184,12 @@ def model_retained(sizes, cache: CacheState, k: int, n: int) -> list[int]:
     return [x for x in range(h, n - sizes.hash_lookahead + 1, h) if cache.has(k, x)]
 
 
-def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=POLICY) -> list:
-    """Run a write scenario on vLLM and compare. Returns ``[(what, N, vllm_outcome), ...]``."""
+def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=POLICY,
+                       budget: int = NO_BUDGET) -> list:
+    """Run a write scenario on vLLM with token budget ``budget`` and compare. Returns ``[(what, N,
+    vllm_outcome), ...]``."""
     sizes = derive_sizes(scenario.layout, scenario.speculation)
-    harness = build_write_harness(scenario, sizes)
+    harness = build_write_harness(scenario, sizes, budget)
     check_sizes(scenario, sizes, harness)
     n, R, L, h = scenario.n, scenario.retention, sizes.hash_lookahead, sizes.hash_block
     stats.scenarios += 1
