@@ -103,8 +103,9 @@ def tasks(only_catalogue_for_bad: bool = True):
                     continue
                 if inv.policies is None or policy in inv.policies or (EXTENDED and policy in inv.extended_policies):
                     out.append((inv.name, policy, i, None))
-            for policy in () if heavy or only_reference else RELEASES:  # every claim about every policy, where
-                if inv.policies is None and accepts(ALL_POLICIES[policy], config):  # the release has it
+            # every claim about every policy, where the release has it
+            for policy in () if heavy or only_reference else RELEASES:
+                if inv.policies is None and accepts(ALL_POLICIES[policy], config):
                     out.append((inv.name, policy, i, None))
             for bad in () if only_reference else inv.refuted_by:  # non-vacuity: on the other layouts
                 if bad in POLICIES:

@@ -184,12 +184,10 @@ def model_retained(sizes, cache: CacheState, k: int, n: int) -> list[int]:
     return [x for x in range(h, n - sizes.hash_lookahead + 1, h) if cache.has(k, x)]
 
 
-def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=POLICY,
-                       budget: int = NO_BUDGET) -> list:
-    """Run a write scenario on vLLM with token budget ``budget`` and compare. Returns ``[(what, N,
-    vllm_outcome), ...]``."""
+def run_write_scenario(scenario: WriteScenario, stats: WriteStats = WRITE_STATS, rules=POLICY) -> list:
+    """Run a write scenario on vLLM and compare. Returns ``[(what, N, vllm_outcome), ...]``."""
     sizes = derive_sizes(scenario.layout, scenario.speculation)
-    harness = build_write_harness(scenario, sizes, budget)
+    harness = build_write_harness(scenario, sizes)
     check_sizes(scenario, sizes, harness)
     n, R, L, h = scenario.n, scenario.retention, sizes.hash_lookahead, sizes.hash_block
     stats.scenarios += 1
