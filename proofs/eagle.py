@@ -12,9 +12,10 @@ def eagle_loses_at_most_one_block_beyond_alignment(ctx):
     unit past H0), then H1 >= H0; and (b) if every group holds every block up to N's hashes, then
     H1 >= floor_A(min(N - 1, R1 - D)). Here R1 = |H| * h with speculation (lookahead hashes make |H| =
     (N - L) // h), and D, "one eagle block", is the drop unit: in drop mode the largest eagle margin of a
-    dropping group (its block, or h when it is looked up at hash granularity); 0 in lookahead mode."""
+    dropping group (its block, or h when it is looked up at hash granularity); 0 in lookahead mode. (Both
+    hits are of runs of vLLM's loop that stop, as every loop claim assumes.)"""
     sizes1 = ctx.sizes()
-    h0 = ctx.hit(NO_SPECULATION)[0]
+    h0, _, _, converged0 = ctx.hit(NO_SPECULATION)
     h1, _, _, converged = ctx.hit()
     ctx.show("hit_without_speculation", h0)
     ctx.show("hit", h1)
@@ -25,7 +26,7 @@ def eagle_loses_at_most_one_block_beyond_alignment(ctx):
     part_a = or_(not_(peek_held), h1 >= h0)
     bound = ctx.probe(floor_to(min_(ctx.n - 1, r1 - sizes1.eagle_unit), sizes1.alignment))
     part_b = or_(not_(ctx.dense(r0)), h1 >= bound)
-    return converged, and_(part_a, part_b)
+    return and_(converged0, converged), and_(part_a, part_b)
 
 
 INVARIANTS = (
