@@ -24,6 +24,18 @@ for all of them: a PROVED verdict holds for every run. The summary admits states
 REFUTED is not a verdict: the caller then runs the unrolled check, whose counterexample is a real run
 (replayed by refimpl), or whose PROVED covers the runs within the unrolled passes only (reported as such).
 
+The summary alone cannot decide a claim about where the run stops (``hit_is_the_longest_valid``, the EAGLE
+loss: it lets the run stop at any fixed point below pass 1's candidate) nor one about what the passes in
+between read. Two facts about single passes narrow it (:data:`LEMMAS`), each a claim of its own checked on the
+configuration's read side and policy before the summary uses it (:func:`proved_lemmas`):
+:func:`later_passes_read_within_hashes` (a later pass from any state above reads within the request's hashes,
+so the passes in between do) and :func:`passes_keep_valid_lengths` (pass 1 returns at least every valid length
+``t`` at or below its start, and a later pass from any state above at least every valid ``t`` at or below its
+candidate; by induction over the passes every candidate of the run stays at or above ``t``, so the run stops
+there or above, which :func:`loop_facts` states at the points the claim asks about). The lemmas quantify
+over every state the summary admits, so a REFUTED lemma may speak of a state no run reaches: it is then not
+used, and nothing else changes.
+
 Only claims whose every loop goes through the context's ``hit_tokens`` are summarised; a loop the spec runs
 inside another function (a write side's repeat) raises :class:`LoopNotSummarised` and the caller falls back.
 """
@@ -35,7 +47,7 @@ from types import SimpleNamespace
 from kvhit.spec import policy as spec_policy
 from kvhit.spec.domain import Kind
 from kvhit.spec.lower_z3 import ContractLowering, Z3Lowering
-from kvhit.spec.terms import and_, eq, ite, max_, or_
+from kvhit.spec.terms import and_, eq, ite, max_, not_, or_
 
 
 class LoopNotSummarised(Exception):
@@ -68,31 +80,107 @@ def summarised(sizes, rules) -> bool:
     return not (rules.declarative or sizes.unitary or spec_policy.is_simple(sizes))
 
 
-def hit_tokens_summary(ctx, cache, sizes, n_tokens, rules):
-    """``(hit, reach, longest, converged)`` of vLLM's Hybrid loop over every run (module docstring);
-    ``converged`` says the summary's inputs describe a run (the claim assumes it, as it assumes the unrolled
-    loop's)."""
-    P = spec_policy
+def _later_pass(P, ctx, cache, sizes, n_tokens, rules, tag: str):
+    """Pass 1 from the loop's start, exactly, and one later pass from any state the loop can be in when it
+    starts a later pass (module docstring): ``(first, later, reachable)``, ``first = (start, c1, lengths1,
+    longest1, reach1)``, ``later = (L, c, longest, reach)``, ``reachable`` the condition on ``L``. The one
+    definition of that set of states, which the summary and its lemmas (:data:`LEMMAS`) share. ``P``: the
+    spec's functions, or refimpl's when a lemma's counterexample is replayed."""
     hashes = P.num_hashes(sizes, n_tokens)
     start = P.max_length_within_hashes(sizes, n_tokens, rules)
     groups = range(len(sizes.groups))
     c1, _, lengths1, longest1, reach1 = P.hybrid_pass(
         cache, sizes, hashes, start, tuple(False for _ in groups), tuple(0 for _ in groups), True, rules)
-    stops_at_once = c1 >= start
-    # the last pass of a longer run, from any state the loop can reach (module docstring)
-    tag = len(ctx.symbols)
-    last = ctx.fresh(f"loop{tag}_L")
-    verified = tuple(ctx.fresh_bool(f"loop{tag}_verified{k}") for k in groups)
-    lengths = tuple(lengths1[k] if sg.kind is Kind.FULL else ctx.fresh(f"loop{tag}_length{k}")
+    last = ctx.fresh(f"{tag}_L")
+    verified = tuple(ctx.fresh_bool(f"{tag}_verified{k}") for k in groups)
+    # == : refimpl's sizes carry refimpl's Kind
+    lengths = tuple(lengths1[k] if sg.kind == Kind.FULL else ctx.fresh(f"{tag}_length{k}")
                     for k, sg in enumerate(sizes.groups))
-    c, _, _, longest_last, reach_last = P.hybrid_pass(cache, sizes, hashes, last, verified, lengths, False, rules)
-    longest_between, reach_between = ctx.fresh(f"loop{tag}_longest_between"), ctx.fresh(f"loop{tag}_reach_between")
+    c, _, _, longest, reach = P.hybrid_pass(cache, sizes, hashes, last, verified, lengths, False, rules)
     reachable = and_(and_(last >= 0, last <= c1), eq(last % sizes.alignment, 0))
+    return (start, c1, lengths1, longest1, reach1), (last, c, longest, reach), reachable
+
+
+def hit_tokens_summary(ctx, cache, sizes, n_tokens, rules):
+    """``(hit, reach, longest, converged)`` of vLLM's Hybrid loop over every run (module docstring);
+    ``converged`` says the summary's inputs describe a run (the claim assumes it, as it assumes the unrolled
+    loop's). With the lemmas (:data:`LEMMAS`) proved for these sizes (``ctx.loop_lemmas[sizes]``), the
+    passes in between read within the hashes (:func:`later_passes_read_within_hashes`), and the run is
+    recorded (``ctx.loop_runs``) so that :func:`loop_facts` can say it stops at or above every valid length
+    below its start (:func:`passes_keep_valid_lengths`)."""
+    tag = f"loop{len(ctx.symbols)}"
+    (start, c1, _, longest1, reach1), (last, c, longest_last, reach_last), reachable = _later_pass(
+        spec_policy, ctx, cache, sizes, n_tokens, rules, tag)
+    stops_at_once = c1 >= start
+    longest_between, reach_between = ctx.fresh(f"{tag}_longest_between"), ctx.fresh(f"{tag}_reach_between")
     later = and_(and_(reachable, c >= last), longest_between <= c1)
+    lemmas = getattr(ctx, "loop_lemmas", {}).get(sizes, ())
+    if WITHIN_HASHES in lemmas:
+        later = and_(later, reach_between <= spec_policy.num_hashes(sizes, n_tokens) * sizes.hash_block)
     hit = ite(stops_at_once, start, last)
+    if KEEPS_VALID in lemmas:
+        ctx.loop_runs.append((cache, sizes, n_tokens, start, hit))
     longest = ite(stops_at_once, longest1, max_(max_(longest1, longest_between), longest_last))
     reach = ite(stops_at_once, reach1, max_(max_(reach1, reach_between), reach_last))
     return hit, reach, longest, or_(stops_at_once, later)
+
+
+# -- the summary's lemmas -----------------------------------------------------------------------------
+# The summary lets every pass between the first and the last do anything a pass can. Two facts about single
+# passes narrow that, each proved by a check of its own on the configuration's read side before the summary
+# relies on it (:func:`check_every_run`): a pass from any state the summary admits reads within the request's
+# hashes, and keeps every valid length at or below its start. By induction over the passes, every run then
+# reads within the hashes and stops at or above every valid length below the loop's start, which is what the
+# summary is told (and nothing else), so its PROVED still holds for every run.
+
+def later_passes_read_within_hashes(ctx):
+    """For every N and cache state, a later pass of vLLM's loop from any state the loop's summary admits
+    (candidate L a multiple of A with 0 <= L <= c1, pass 1's candidate; the full-attention lengths pass 1 set;
+    any EAGLE-verified set) reads no block hash past the request's: its reach is at most |H| * h."""
+    sizes = ctx.sizes()
+    _, (_, _, _, reach), reachable = _later_pass(ctx.P, ctx, ctx.cache, sizes, ctx.n, ctx.rules, "later")
+    ctx.show("reach", reach)
+    return reachable, reach <= ctx.P.num_hashes(sizes, ctx.n) * sizes.hash_block
+
+
+def passes_keep_valid_lengths(ctx):
+    """For every N and cache state, and every multiple t of A with 0 < t that every group serves (in the
+    sense of hit_is_valid_in_every_group): pass 1 of vLLM's loop, from its start, returns at least t if t is
+    at most that start; and a later pass from any state the loop's summary admits (as in
+    later_passes_read_within_hashes) returns at least t if t is at most its candidate L."""
+    sizes = ctx.sizes()
+    (start, c1, _, _, _), (last, c, _, _), reachable = _later_pass(ctx.P, ctx, ctx.cache, sizes, ctx.n,
+                                                                   ctx.rules, "later")
+    t = ctx.fresh("t") * sizes.alignment
+    valid = and_(t > 0, ctx.serves(t))
+    ctx.show("t", t)
+    ctx.show("passes", (c1, c))
+    keeps_first = or_(t > start, c1 >= t)
+    keeps_later = or_(or_(not_(reachable), t > last), c >= t)
+    return valid, and_(keeps_first, keeps_later)
+
+
+WITHIN_HASHES, KEEPS_VALID = "later_passes_read_within_hashes", "passes_keep_valid_lengths"
+LEMMAS = (WITHIN_HASHES, KEEPS_VALID)
+
+
+def loop_facts(ctx) -> list:
+    """What :func:`passes_keep_valid_lengths` gives each summarised run the context recorded: at every point x
+    the claim asked validity of on the run's cache and sizes (``ctx.served``), and at the claim's probes
+    (``ctx.probes``, the values it compares a hit with) on the run's cache, if x is a positive multiple of A
+    that every group serves to the run's prompt and x is at most the run's start, the run stops at or above
+    x (by induction over its passes). A fact at any point is sound; these are the points a claim needs."""
+    from .model import SPEC, serves
+
+    facts = []
+    for cache, sizes, n_tokens, start, hit in ctx.loop_runs:
+        points = [(x, and_(eq(p_n, n_tokens), valid)) for p_cache, p_sizes, p_n, x, valid in ctx.served
+                  if p_cache is cache and p_sizes == sizes]
+        points += [(x, serves(SPEC, cache, sizes, x, n_tokens)) for x in ctx.probes]
+        for x, valid in points:
+            premise = and_(valid, and_(and_(x > 0, eq(x % sizes.alignment, 0)), x <= start))
+            facts.append(or_(not_(premise), x <= hit))
+    return facts
 
 
 def summary_spec(ctx, spec):
@@ -139,6 +227,15 @@ def check_every_run(invariant, rules, config):
             seconds, spent = seconds + more_seconds, spent + more_spent
             if verdict == "PROVED":
                 return verdict, seconds, None, spent
+            # the summary with what single passes are proved to keep (LEMMAS)
+            proved, more_seconds, more_spent = proved_lemmas(rules, config)
+            seconds, spent = seconds + more_seconds, spent + more_spent
+            if any(proved.values()):
+                verdict, more_seconds, cex, more_spent = check_by_contract(invariant, rules, config, summary=True,
+                                                                           loop_lemmas=proved)
+                seconds, spent = seconds + more_seconds, spent + more_spent
+                if verdict == "PROVED":
+                    return verdict, seconds, None, spent
         except LoopNotSummarised:
             pass
     verdict, more_seconds, cex, more_spent = check_by_contract(invariant, rules, config)
@@ -147,7 +244,7 @@ def check_every_run(invariant, rules, config):
     return verdict, seconds + more_seconds, cex, spent + more_spent
 
 
-def check_by_contract(invariant, rules, config, summary: bool = False):
+def check_by_contract(invariant, rules, config, summary: bool = False, loop_lemmas=None):
     """:func:`kvhit.proofs.model.check`, tried first with every scan replaced by its contract (sound for
     PROVED: :class:`~kvhit.spec.lower_z3.ContractLowering`); where that does not prove the claim, the exact
     lowering decides. Seconds and units count both tries. Where ``invariant.by_contract`` says the try was
@@ -155,11 +252,13 @@ def check_by_contract(invariant, rules, config, summary: bool = False):
     from .model import check
 
     if not invariant.by_contract(config):
-        return check(invariant, rules, config, summary=summary)
-    verdict, seconds, cex, spent = check(invariant, rules, config, summary=summary, contract=True)
+        return check(invariant, rules, config, summary=summary, loop_lemmas=loop_lemmas)
+    verdict, seconds, cex, spent = check(invariant, rules, config, summary=summary, contract=True,
+                                         loop_lemmas=loop_lemmas)
     if verdict == "PROVED":
         return verdict, seconds, cex, spent
-    verdict, more_seconds, cex, more_spent = check(invariant, rules, config, summary=summary)
+    verdict, more_seconds, cex, more_spent = check(invariant, rules, config, summary=summary,
+                                                   loop_lemmas=loop_lemmas)
     return verdict, seconds + more_seconds, cex, spent + more_spent
 
 
@@ -173,3 +272,45 @@ def _terminates(rules, config):
 
     verdict, seconds, _, spent = check_by_contract(INVARIANTS[0], rules, replace(config, retention=READ_SIDE))
     return verdict == "PROVED", seconds, spent
+
+
+def lemma_invariants():
+    from .model import Invariant
+
+    return (Invariant(WITHIN_HASHES, later_passes_read_within_hashes, "loop"),
+            Invariant(KEEPS_VALID, passes_keep_valid_lengths, "loop"))
+
+
+# (policy, configuration's read side) -> the lemmas proved there, with the seconds and units that took: a
+# process checks them once, however many claims on that configuration fall back to them.
+_PROVED: dict = {}
+
+
+def proved_lemmas(rules, config):
+    """``(lemmas, seconds, rlimit)``: ``lemmas`` maps the sizes of each speculative setting a claim on the
+    configuration runs the loop under (the configuration's and none, which the EAGLE loss compares with) to
+    the names of :data:`LEMMAS` PROVED for the policy on the configuration's read side under that setting
+    (checked once per process; the seconds and units of the first asking only). A lemma speaks of single
+    passes, so no loop is unrolled, and a REFUTED is a real counterexample to the lemma (replayed by
+    refimpl), though perhaps from a state no run reaches."""
+    from dataclasses import replace
+
+    from kvhit.spec.domain import NO_SPECULATION
+    from kvhit.spec.sizes import derive_sizes
+
+    from .model import READ_SIDE
+
+    lemmas, seconds, spent = {}, 0.0, 0
+    for speculation in dict.fromkeys((config.speculation, NO_SPECULATION)):
+        read = replace(config, speculation=speculation, retention=READ_SIDE)
+        key = (rules, read)
+        if key not in _PROVED:
+            proved = []
+            for lemma in lemma_invariants():
+                verdict, more_seconds, _, more_spent = check_by_contract(lemma, rules, read)
+                seconds, spent = seconds + more_seconds, spent + more_spent
+                if verdict == "PROVED":
+                    proved.append(lemma.name)
+            _PROVED[key] = tuple(proved)
+        lemmas[derive_sizes(read.layout, speculation, rules.scale_replicated)] = _PROVED[key]
+    return lemmas, seconds, spent

@@ -143,6 +143,15 @@ class Scenario:
     concrete: bool = False  # every input pinned: decided by running the spec on them, no solver
 
 
+def serves(P, cache, sizes: Sizes, x, n_tokens):
+    """Whether every group serves a hit of ``x`` (the reference's notion of validity,
+    ``hit_is_valid_in_every_group``'s) to a prompt of ``n_tokens`` tokens on ``cache``; ``P``: the spec's
+    functions or refimpl's."""
+    covered = P.hash_reach(sizes, n_tokens)
+    extents = P.group_extents(cache, sizes, covered)
+    return P.serves_all(cache, sizes, x, extents, covered, spec_policy.REFERENCE)
+
+
 class _Context:
     """What a claim function sees. Subclasses bind it to symbols or to a counterexample."""
 
@@ -171,11 +180,8 @@ class _Context:
     def serves(self, x, speculation: Speculation | None = None, cache=None, n=None):
         """Whether every group serves a hit of ``x`` (the reference's notion of validity) to a prompt of
         ``n`` tokens (the claim's ``N``) on ``cache`` (the claim's cache)."""
-        sizes = self.sizes(speculation)
-        cache = self.cache if cache is None else cache
-        covered = self.P.hash_reach(sizes, self.n if n is None else n)
-        extents = self.P.group_extents(cache, sizes, covered)
-        return self.P.serves_all(cache, sizes, x, extents, covered, spec_policy.REFERENCE)
+        return serves(self.P, self.cache if cache is None else cache, self.sizes(speculation), x,
+                      self.n if n is None else n)
 
     def dense(self, extent, speculation: Speculation | None = None):
         """Every group holds every block up to ``extent`` tokens, at each unit its lookups read."""
@@ -209,6 +215,18 @@ class SymbolicContext(_Context):
         self.symbols: dict[str, Term] = {"N": self.n}
         self.shown: dict[str, object] = {}
         self.probes: list[Term] = []
+        # the loop summary's lemmas this check may use (kvhit.proofs.loop.LEMMAS), the summarised runs that
+        # use them and the validity questions the claim asked (kvhit.proofs.loop.loop_facts)
+        self.loop_lemmas: dict = {}
+        self.loop_runs: list = []
+        self.served: list = []
+
+    def serves(self, x, speculation: Speculation | None = None, cache=None, n=None):
+        valid = super().serves(x, speculation, cache, n)
+        if self.loop_lemmas:  # only then: keeping the terms alive changes how Z3 numbers its terms, and its units
+            self.served.append((self.cache if cache is None else cache, self.sizes(speculation),
+                                self.n if n is None else n, x, valid))
+        return valid
 
     def fresh(self, name: str) -> Term:
         self.symbols[name] = fresh_int(name)
@@ -468,7 +486,7 @@ def counterexample(config: Config, rules: Rules, values: dict, cache, described:
 
 def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario | None = None,
           max_n: int | None = None, max_blocks: int | None = None, summary: bool = False,
-          contract: bool = False):
+          contract: bool = False, loop_lemmas: dict | None = None):
     """Check one invariant for one policy and configuration. Returns ``(verdict, seconds, cex,
     rlimit)`` (``rlimit``: Z3's resource units spent; 0 for a scenario decided without the solver).
     ``max_n`` bounds the prompt length and ``max_blocks`` the blocks the arbitrary cache holds
@@ -478,10 +496,12 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
     elsewhere raises :class:`kvhit.proofs.loop.LoopNotSummarised`. With ``contract``, every scan
     (``max_aligned``) is its contract (:class:`~kvhit.spec.lower_z3.ContractLowering`), its maximality stated
     at every scan's result and at the claim's symbols, shown values and probes: PROVED then holds, anything
-    else is no verdict ("UNDECIDED"; the exact lowering decides)."""
+    else is no verdict ("UNDECIDED"; the exact lowering decides). ``loop_lemmas`` (with ``summary``): the
+    summary's lemmas proved on this configuration and policy, by the sizes of the runs they hold for
+    (:func:`kvhit.proofs.loop.proved_lemmas`), which the summary may then use."""
     if scenario is not None and scenario.concrete:
         return check_concrete(invariant, rules, scenario)
-    from .loop import lowering_for, summary_spec
+    from .loop import loop_facts, lowering_for, summary_spec
 
     z3 = _z3()
     start = time.perf_counter()
@@ -491,8 +511,9 @@ def check(invariant: Invariant, rules: Rules, config: Config, scenario: Scenario
         ctx = SymbolicContext(config, rules, runs)
         if summary:
             ctx.P = summary_spec(ctx, SPEC)
+            ctx.loop_lemmas = dict(loop_lemmas or {})
         assumption, claim = invariant.claim(ctx)
-        formulas = [_zv(assumption), z3.Not(_zv(claim))]
+        formulas = [_zv(assumption), z3.Not(_zv(claim)), *(_zv(f) for f in loop_facts(ctx))]
         if contract:  # before the cache's well-formedness: a predicate evaluated here may read new runs
             formulas += active.facts([*ctx.symbols.values(), *_flat(ctx.shown.values()), *ctx.probes])
         formulas = [ctx.n.z >= 1, ctx.cache.well_formed(), *formulas]

@@ -1,16 +1,19 @@
 """vLLM's Hybrid loop summarised by two passes (:mod:`kvhit.proofs.loop`), against the unrolled loop on
 layouts beyond vLLM's simple case where the unrolled check finishes: the summary never proves what the
 unrolled check refutes (a real run, replayed by refimpl), it proves the safety claims the unrolled check
-proves, and a known-bad variant stays refuted through it."""
+proves, with its lemmas it proves the claims about where the loop stops that the unrolled check proves, a
+lemma a pass breaks is refuted and not used, and a known-bad variant stays refuted through it."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvhit.proofs.domains import configs
-from kvhit.proofs.loop import LoopNotSummarised, check_every_run, summarised
+from kvhit.proofs.loop import (KEEPS_VALID, LEMMAS, WITHIN_HASHES, LoopNotSummarised, check_every_run,
+                               lemma_invariants, proved_lemmas, summarised)
 from kvhit.proofs.model import check
 from kvhit.proofs.runner import BY_NAME
+from kvhit.spec.domain import NO_SPECULATION
 from kvhit.spec.policy import ALL_POLICIES
 from kvhit.spec.sizes import derive_sizes
 
@@ -18,6 +21,10 @@ from kvhit.spec.sizes import derive_sizes
 def config(layout: str, speculation: str):
     return next(c for c in configs(True) if c.layout.name == layout and c.layout.dcp == 1
                 and c.speculation.describe() == speculation and not c.write_side)
+
+
+def sizes(cfg):
+    return derive_sizes(cfg.layout, cfg.speculation)
 
 
 # Two groups without full attention in front (three unrolled passes) and full attention beside two Mamba
@@ -61,13 +68,55 @@ def test_the_summary_proves_the_safety_claims_the_unrolled_loop_proves(invariant
     assert verdict == unrolled and (cex is None or verdict == "REFUTED")
 
 
-def test_a_claim_the_summary_cannot_prove_is_proved_within_the_unrolled_passes_and_says_so():
-    """hit_is_the_longest_valid speaks of where the loop stops, which the summary leaves open (any fixed
-    point below pass 1's candidate): the unrolled check decides, and its PROVED says what it covers."""
-    cfg, rules = config("swa32_mamba64", "none"), ALL_POLICIES["vllm_0_33"]
-    assert check(BY_NAME["hit_is_the_longest_valid"], rules, cfg, summary=True)[0] == "UNDECIDED"
-    verdict, _, cex, _ = check_every_run(BY_NAME["hit_is_the_longest_valid"], rules, cfg)
-    assert (verdict, cex) == ("PROVED", {"loop": "runs within 3 passes"})
+# Claims about where the loop stops: the summary alone lets the loop stop at any fixed point below its first
+# pass, so it cannot decide them; with the lemmas (kvhit.proofs.loop.LEMMAS) it can. Each row with the
+# unrolled loop's verdict (measured 2026-12-06; the fourth, historical's, is a real run). The EAGLE loss with the
+# repaired policy on full64_mamba64_mamba128 in drop mode, PROVED with the lemmas in 1.0 s, is not a row:
+# the unrolled check (eight passes over three groups) did not finish within 10 minutes.
+STOPPING = [("hit_is_the_longest_valid", "vllm_0_33", "swa32_mamba64", "none", "PROVED"),
+            ("hit_is_the_longest_valid", "historical", "full64_mamba64_mamba128", "none", "PROVED"),
+            ("eagle_loses_at_most_one_block_beyond_alignment", "vllm_0_33", "swa32_mamba64", "drop Lp=1", "PROVED"),
+            ("eagle_loses_at_most_one_block_beyond_alignment", "historical", "swa32_mamba64", "drop Lp=1",
+             "REFUTED")]
+
+
+@pytest.mark.parametrize("invariant,policy,layout,speculation,unrolled", STOPPING)
+def test_the_lemmas_let_the_summary_decide_where_the_loop_stops(invariant, policy, layout, speculation, unrolled):
+    """The summary alone does not prove the claim; with the lemmas proved on the configuration it proves it
+    where the unrolled loop does (then for every run, which needs both lemmas), and where a real run refutes
+    it, it proves nothing and the unrolled check's counterexample stands."""
+    cfg, rules = config(layout, speculation), ALL_POLICIES[policy]
+    assert check(BY_NAME[invariant], rules, cfg)[0] == unrolled
+    assert check(BY_NAME[invariant], rules, cfg, summary=True)[0] == "UNDECIDED"
+    lemmas = proved_lemmas(rules, cfg)[0]  # for the configuration's speculation and for none
+    assert set(lemmas) == {sizes(cfg), derive_sizes(cfg.layout, NO_SPECULATION)}
+    with_lemmas = check(BY_NAME[invariant], rules, cfg, summary=True, loop_lemmas=lemmas)[0]
+    assert with_lemmas == ("PROVED" if unrolled == "PROVED" else "UNDECIDED")
+    assert unrolled == "REFUTED" or all(proved == LEMMAS for proved in lemmas.values())
+    verdict, _, cex, _ = check_every_run(BY_NAME[invariant], rules, cfg)
+    assert verdict == unrolled and (cex is None or verdict == "REFUTED")
+
+
+def _lemma(name):
+    return next(lemma for lemma in lemma_invariants() if lemma.name == name)
+
+
+def test_a_policy_that_reads_past_the_hashes_does_not_get_the_within_lemma():
+    """peek_past_hashes peeks the EAGLE margin past the request's hashes: the lemma that the passes in
+    between read within them is refuted there (a real pass, replayed by refimpl), and so not used."""
+    cfg, rules = config("swa32_mamba64", "drop Lp=1"), ALL_POLICIES["peek_past_hashes"]
+    assert check(_lemma(WITHIN_HASHES), rules, cfg)[0] == "REFUTED"
+    assert WITHIN_HASHES not in proved_lemmas(rules, cfg)[0][sizes(cfg)]
+
+
+def test_a_pass_that_skips_a_valid_length_refutes_the_keeps_lemma_and_the_claim_falls_back():
+    """F6 on three_kind: vLLM 0.33's full-attention lookup stops below a valid length, so a pass need not
+    keep it (the lemma is refuted), the summary may not assume it, and the unrolled check finds the real
+    run on which the hit is not the longest valid one."""
+    cfg, rules = config("three_kind", "none"), ALL_POLICIES["vllm_0_33"]
+    assert check(_lemma(KEEPS_VALID), rules, cfg)[0] == "REFUTED"
+    assert KEEPS_VALID not in proved_lemmas(rules, cfg)[0][sizes(cfg)]
+    assert check_every_run(BY_NAME["hit_is_the_longest_valid"], rules, cfg)[0] == "REFUTED"
 
 
 @pytest.mark.parametrize("invariant,bad,layout,speculation", [
