@@ -231,8 +231,8 @@ def check_every_run(invariant, rules, config):
             proved, more_seconds, more_spent = proved_lemmas(rules, config)
             seconds, spent = seconds + more_seconds, spent + more_spent
             if any(proved.values()):
-                verdict, more_seconds, cex, more_spent = check_by_contract(invariant, rules, config, summary=True,
-                                                                           loop_lemmas=proved)
+                verdict, more_seconds, cex, more_spent = check_by_contract(
+                    invariant, rules, config, summary=True, loop_lemmas=proved)
                 seconds, spent = seconds + more_seconds, spent + more_spent
                 if verdict == "PROVED":
                     return verdict, seconds, None, spent

@@ -223,7 +223,8 @@ class SymbolicContext(_Context):
 
     def serves(self, x, speculation: Speculation | None = None, cache=None, n=None):
         valid = super().serves(x, speculation, cache, n)
-        if self.loop_lemmas:  # only then: keeping the terms alive changes how Z3 numbers its terms, and its units
+        # only then: holding these terms alive changes how Z3 numbers its terms, and so the units it spends
+        if self.loop_lemmas:
             self.served.append((self.cache if cache is None else cache, self.sizes(speculation),
                                 self.n if n is None else n, x, valid))
         return valid

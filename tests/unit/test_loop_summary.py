@@ -70,18 +70,19 @@ def test_the_summary_proves_the_safety_claims_the_unrolled_loop_proves(invariant
 
 # Claims about where the loop stops: the summary alone lets the loop stop at any fixed point below its first
 # pass, so it cannot decide them; with the lemmas (kvhit.proofs.loop.LEMMAS) it can. Each row with the
-# unrolled loop's verdict (measured 2026-12-06; the fourth, historical's, is a real run). The EAGLE loss with the
-# repaired policy on full64_mamba64_mamba128 in drop mode, PROVED with the lemmas in 1.0 s, is not a row:
-# the unrolled check (eight passes over three groups) did not finish within 10 minutes.
+# unrolled loop's verdict (measured 2026-12-06; the fourth, historical's, is a real run). The EAGLE loss
+# with the repaired policy on full64_mamba64_mamba128 in drop mode, PROVED with the lemmas in 1.0 s, is not
+# a row: the unrolled check (eight passes over three groups) did not finish within 10 minutes.
+EAGLE_LOSS = "eagle_loses_at_most_one_block_beyond_alignment"
 STOPPING = [("hit_is_the_longest_valid", "vllm_0_33", "swa32_mamba64", "none", "PROVED"),
             ("hit_is_the_longest_valid", "historical", "full64_mamba64_mamba128", "none", "PROVED"),
-            ("eagle_loses_at_most_one_block_beyond_alignment", "vllm_0_33", "swa32_mamba64", "drop Lp=1", "PROVED"),
-            ("eagle_loses_at_most_one_block_beyond_alignment", "historical", "swa32_mamba64", "drop Lp=1",
-             "REFUTED")]
+            (EAGLE_LOSS, "vllm_0_33", "swa32_mamba64", "drop Lp=1", "PROVED"),
+            (EAGLE_LOSS, "historical", "swa32_mamba64", "drop Lp=1", "REFUTED")]
 
 
 @pytest.mark.parametrize("invariant,policy,layout,speculation,unrolled", STOPPING)
-def test_the_lemmas_let_the_summary_decide_where_the_loop_stops(invariant, policy, layout, speculation, unrolled):
+def test_the_lemmas_let_the_summary_decide_where_the_loop_stops(invariant, policy, layout, speculation,
+                                                               unrolled):
     """The summary alone does not prove the claim; with the lemmas proved on the configuration it proves it
     where the unrolled loop does (then for every run, which needs both lemmas), and where a real run refutes
     it, it proves nothing and the unrolled check's counterexample stands."""
