@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 82de868e9be3e05f39e3b009958d9c2f74a027093e58248c5991dd463df4ebdc
-output-sha256: ed67108717a2016207bb41e74b93f46156c413ed22c5e6b288693cf799a3bf28
+spec-sha256: 7c4646a56bc09e030eed2d162d9bff3013731712e6a4eb20caba17f6f5cd386f
+output-sha256: 14c559b50e3993c466bc96548ba067cf3f891a3a25f9ae9c3f8ae89dacf326d8
 """
 
 import itertools
@@ -852,6 +852,19 @@ def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
         return min(m, hash_reach(sizes, n_tokens))
     return m
 
+def pass_lookup(cache, sizes: Sizes, k, hashes, c, drop, rules: Rules):
+    """Spec group ``k``'s lookup in a pass of vLLM's loop at candidate ``c``: ``(length, reach)``. With
+    ``drop`` (the group drops this pass), an EAGLE group other than Mamba peeks one margin past ``c``
+    (capped by the hashes) and pops it."""
+    sg = sizes.groups[k]
+    bound = c
+    if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
+        peek = c + sg.margin
+        if rules.peek_within_hashes:
+            peek = min(peek, hashes * sizes.hash_block)
+        bound = peek if drop else c
+    return lookup(cache, sizes, k, hashes, bound, drop and rules.pop_after_peek, rules)
+
 def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, first, rules: Rules):
     """One pass of vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` loop.
 
@@ -864,7 +877,6 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
     Returns:
         ``(candidate, verified, lengths, longest, reach)`` after the pass.
     """
-    covered = hashes * sizes.hash_block
     c = hit_length
     verified = list(verified)
     lengths = list(lengths)
@@ -877,13 +889,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
         drop = sg.drops
         if rules.drop_once:
             drop = sg.drops and (not verified[k])
-        bound = c
-        if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
-            peek = c + sg.margin
-            if rules.peek_within_hashes:
-                peek = min(peek, covered)
-            bound = peek if drop else c
-        n, r = lookup(cache, sizes, k, hashes, bound, drop and rules.pop_after_peek, rules)
+        n, r = pass_lookup(cache, sizes, k, hashes, c, drop, rules)
         cleared = n < c if rules.reverify_after_shrink else not drop and n < c
         verified = [False if cleared else v for v in verified]
         verified[k] = verified[k] or drop

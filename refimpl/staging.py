@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 82de868e9be3e05f39e3b009958d9c2f74a027093e58248c5991dd463df4ebdc
-output-sha256: fc13eaae0ea50662045b0529e9ab31d6734a434cf9036abca9fba7dafa626f03
+spec-sha256: 7c4646a56bc09e030eed2d162d9bff3013731712e6a4eb20caba17f6f5cd386f
+output-sha256: 2d8dbc5eeefa38e92042e1536e4e99477fa664e65e7f5028a6a886a120282f7f
 """
 
 from __future__ import annotations
@@ -908,6 +908,19 @@ def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
         return min_(m, hash_reach(sizes, n_tokens))
     return m
 
+def pass_lookup(cache, sizes: Sizes, k, hashes, c, drop, rules: Rules):
+    """Spec group ``k``'s lookup in a pass of vLLM's loop at candidate ``c``: ``(length, reach)``. With
+    ``drop`` (the group drops this pass), an EAGLE group other than Mamba peeks one margin past ``c``
+    (capped by the hashes) and pops it."""
+    sg = sizes.groups[k]
+    bound = c
+    if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
+        peek = c + sg.margin
+        if rules.peek_within_hashes:
+            peek = min_(peek, hashes * sizes.hash_block)
+        bound = ite(drop, peek, c)
+    return lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek), rules)
+
 def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, first, rules: Rules):
     """One pass of vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` loop.
 
@@ -920,7 +933,6 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
     Returns:
         ``(candidate, verified, lengths, longest, reach)`` after the pass.
     """
-    covered = hashes * sizes.hash_block
     c = hit_length
     verified = list(verified)
     lengths = list(lengths)
@@ -933,13 +945,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
         drop = sg.drops
         if rules.drop_once:
             drop = and_(sg.drops, not_(verified[k]))
-        bound = c
-        if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
-            peek = c + sg.margin
-            if rules.peek_within_hashes:
-                peek = min_(peek, covered)
-            bound = ite(drop, peek, c)
-        n, r = lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek), rules)
+        n, r = pass_lookup(cache, sizes, k, hashes, c, drop, rules)
         cleared = n < c if rules.reverify_after_shrink else and_(not_(drop), n < c)
         verified = [ite(cleared, False, v) for v in verified]
         verified[k] = or_(verified[k], drop)

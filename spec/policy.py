@@ -368,6 +368,20 @@ def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
     return m
 
 
+def pass_lookup(cache, sizes: Sizes, k, hashes, c, drop, rules: Rules):
+    """Spec group ``k``'s lookup in a pass of vLLM's loop at candidate ``c``: ``(length, reach)``. With
+    ``drop`` (the group drops this pass), an EAGLE group other than Mamba peeks one margin past ``c``
+    (capped by the hashes) and pops it."""
+    sg = sizes.groups[k]
+    bound = c
+    if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
+        peek = c + sg.margin
+        if rules.peek_within_hashes:
+            peek = min_(peek, hashes * sizes.hash_block)
+        bound = ite(drop, peek, c)
+    return lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek), rules)
+
+
 def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, first, rules: Rules):
     """One pass of vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` loop.
 
@@ -380,7 +394,6 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
     Returns:
         ``(candidate, verified, lengths, longest, reach)`` after the pass.
     """
-    covered = hashes * sizes.hash_block
     c = hit_length
     verified = list(verified)
     lengths = list(lengths)
@@ -393,13 +406,7 @@ def hybrid_pass(cache, sizes: Sizes, hashes, hit_length, verified, lengths, firs
         drop = sg.drops
         if rules.drop_once:
             drop = and_(sg.drops, not_(verified[k]))
-        bound = c
-        if sg.drops and sg.kind is not Kind.MAMBA and rules.eagle_margin:
-            peek = c + sg.margin
-            if rules.peek_within_hashes:
-                peek = min_(peek, covered)
-            bound = ite(drop, peek, c)
-        n, r = lookup(cache, sizes, k, hashes, bound, and_(drop, rules.pop_after_peek), rules)
+        n, r = pass_lookup(cache, sizes, k, hashes, c, drop, rules)
         cleared = n < c if rules.reverify_after_shrink else and_(not_(drop), n < c)
         verified = [ite(cleared, False, v) for v in verified]
         verified[k] = or_(verified[k], drop)
