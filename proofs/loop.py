@@ -26,15 +26,19 @@ REFUTED is not a verdict: the caller then runs the unrolled check, whose counter
 
 The summary alone cannot decide a claim about where the run stops (``hit_is_the_longest_valid``, the EAGLE
 loss: it lets the run stop at any fixed point below pass 1's candidate) nor one about what the passes in
-between read. Two facts about single passes narrow it (:data:`LEMMAS`), each a claim of its own checked on the
+between read. Two facts about single passes narrow that (:data:`LEMMAS`), each a claim of its own checked on the
 configuration's read side and policy before the summary uses it (:func:`proved_lemmas`):
 :func:`later_passes_read_within_hashes` (a later pass from any state above reads within the request's hashes,
 so the passes in between do) and :func:`passes_keep_valid_lengths` (pass 1 returns at least every valid length
 ``t`` at or below its start, and a later pass from any state above at least every valid ``t`` at or below its
 candidate; by induction over the passes every candidate of the run stays at or above ``t``, so the run stops
-there or above, which :func:`loop_facts` states at the points the claim asks about). The lemmas quantify
-over every state the summary admits, so a REFUTED lemma may speak of a state no run reaches: it is then not
-used, and nothing else changes.
+there or above, which :func:`loop_facts` states at the points the claim asks about). A third,
+:func:`verified_groups_hold_their_drop`, lets the summary take the last pass's EAGLE-verified set as one
+whose groups hold their dropping lookup at its candidate (:func:`verified_hold`) rather than as arbitrary:
+pass 1 leaves such a set and every later pass from one leaves one (by induction, the last pass starts from
+one); it holds with Candidate C1's repair and is refuted by C1 itself. The lemmas quantify over every state
+the summary admits, so a REFUTED lemma may speak of a state no run reaches: it is then not used, and nothing
+else changes.
 
 Only claims whose every loop goes through the context's ``hit_tokens`` are summarised; a loop the spec runs
 inside another function (a write side's repeat) raises :class:`LoopNotSummarised` and the caller falls back.
@@ -82,23 +86,43 @@ def summarised(sizes, rules) -> bool:
 
 def _later_pass(P, ctx, cache, sizes, n_tokens, rules, tag: str):
     """Pass 1 from the loop's start, exactly, and one later pass from any state the loop can be in when it
-    starts a later pass (module docstring): ``(first, later, reachable)``, ``first = (start, c1, lengths1,
-    longest1, reach1)``, ``later = (L, c, longest, reach)``, ``reachable`` the condition on ``L``. The one
-    definition of that set of states, which the summary and its lemmas (:data:`LEMMAS`) share. ``P``: the
-    spec's functions, or refimpl's when a lemma's counterexample is replayed."""
+    starts a later pass (module docstring): ``(first, later, reachable)``. ``first``: the loop's ``start``,
+    and pass 1's candidate ``c``, ``verified`` set, ``longest`` and ``reach``; ``later``: the pass's start
+    ``L`` and ``verified`` set, and its ``c``, ``verified_after``, ``longest`` and ``reach``; ``reachable``
+    the condition on ``L``. The one definition of that set of states, which the summary and its lemmas
+    (:data:`LEMMAS`) share. ``P``: the spec's functions, or refimpl's when a lemma's counterexample is
+    replayed."""
     hashes = P.num_hashes(sizes, n_tokens)
     start = P.max_length_within_hashes(sizes, n_tokens, rules)
     groups = range(len(sizes.groups))
-    c1, _, lengths1, longest1, reach1 = P.hybrid_pass(
+    c1, verified1, lengths1, longest1, reach1 = P.hybrid_pass(
         cache, sizes, hashes, start, tuple(False for _ in groups), tuple(0 for _ in groups), True, rules)
     last = ctx.fresh(f"{tag}_L")
     verified = tuple(ctx.fresh_bool(f"{tag}_verified{k}") for k in groups)
     # == : refimpl's sizes carry refimpl's Kind
     lengths = tuple(lengths1[k] if sg.kind == Kind.FULL else ctx.fresh(f"{tag}_length{k}")
                     for k, sg in enumerate(sizes.groups))
-    c, _, _, longest, reach = P.hybrid_pass(cache, sizes, hashes, last, verified, lengths, False, rules)
+    c, verified_after, _, longest, reach = P.hybrid_pass(cache, sizes, hashes, last, verified, lengths, False,
+                                                         rules)
     reachable = and_(and_(last >= 0, last <= c1), eq(last % sizes.alignment, 0))
-    return (start, c1, lengths1, longest1, reach1), (last, c, longest, reach), reachable
+    first = SimpleNamespace(start=start, c=c1, verified=verified1, longest=longest1, reach=reach1)
+    later = SimpleNamespace(L=last, verified=verified, c=c, verified_after=verified_after, longest=longest,
+                            reach=reach)
+    return first, later, reachable
+
+
+def verified_hold(P, cache, sizes, n_tokens, candidate, verified, rules):
+    """Every EAGLE group in ``verified`` serves its dropping lookup at ``candidate``: looked up as a pass
+    looks a dropping group up (:func:`kvhit.spec.policy.pass_lookup`), it returns at least ``candidate``.
+    What a verification is meant to certify, and what :func:`verified_groups_hold_their_drop` proves a
+    pass keeps."""
+    hashes = P.num_hashes(sizes, n_tokens)
+    held = True
+    for k, sg in enumerate(sizes.groups):
+        if sg.drops:
+            n, _ = P.pass_lookup(cache, sizes, k, hashes, candidate, True, rules)
+            held = and_(held, or_(not_(verified[k]), n >= candidate))
+    return held
 
 
 def hit_tokens_summary(ctx, cache, sizes, n_tokens, rules):
@@ -109,38 +133,40 @@ def hit_tokens_summary(ctx, cache, sizes, n_tokens, rules):
     recorded (``ctx.loop_runs``) so that :func:`loop_facts` can say it stops at or above every valid length
     below its start (:func:`passes_keep_valid_lengths`)."""
     tag = f"loop{len(ctx.symbols)}"
-    (start, c1, _, longest1, reach1), (last, c, longest_last, reach_last), reachable = _later_pass(
-        spec_policy, ctx, cache, sizes, n_tokens, rules, tag)
-    stops_at_once = c1 >= start
+    first, last, reachable = _later_pass(spec_policy, ctx, cache, sizes, n_tokens, rules, tag)
+    stops_at_once = first.c >= first.start
     longest_between, reach_between = ctx.fresh(f"{tag}_longest_between"), ctx.fresh(f"{tag}_reach_between")
-    later = and_(and_(reachable, c >= last), longest_between <= c1)
+    later = and_(and_(reachable, last.c >= last.L), longest_between <= first.c)
     lemmas = getattr(ctx, "loop_lemmas", {}).get(sizes, ())
     if WITHIN_HASHES in lemmas:
         later = and_(later, reach_between <= spec_policy.num_hashes(sizes, n_tokens) * sizes.hash_block)
-    hit = ite(stops_at_once, start, last)
+    if VERIFIED_HOLD in lemmas:
+        later = and_(later, verified_hold(spec_policy, cache, sizes, n_tokens, last.L, last.verified, rules))
+    hit = ite(stops_at_once, first.start, last.L)
     if KEEPS_VALID in lemmas:
-        ctx.loop_runs.append((cache, sizes, n_tokens, start, hit))
-    longest = ite(stops_at_once, longest1, max_(max_(longest1, longest_between), longest_last))
-    reach = ite(stops_at_once, reach1, max_(max_(reach1, reach_between), reach_last))
+        ctx.loop_runs.append((cache, sizes, n_tokens, first.start, hit))
+    longest = ite(stops_at_once, first.longest, max_(max_(first.longest, longest_between), last.longest))
+    reach = ite(stops_at_once, first.reach, max_(max_(first.reach, reach_between), last.reach))
     return hit, reach, longest, or_(stops_at_once, later)
 
 
 # -- the summary's lemmas -----------------------------------------------------------------------------
-# The summary lets every pass between the first and the last do anything a pass can. Two facts about single
+# The summary lets every pass between the first and the last do anything a pass can. Three facts about single
 # passes narrow that, each proved by a check of its own on the configuration's read side before the summary
 # relies on it (:func:`check_every_run`): a pass from any state the summary admits reads within the request's
-# hashes, and keeps every valid length at or below its start. By induction over the passes, every run then
-# reads within the hashes and stops at or above every valid length below the loop's start, which is what the
-# summary is told (and nothing else), so its PROVED still holds for every run.
+# hashes, keeps every valid length at or below its start, and leaves verified groups that hold if it started
+# from such. By induction over the passes, every run then reads within the hashes, stops at or above every
+# valid length below the loop's start, and starts its last pass from verified groups that hold, which is what
+# the summary is told (and nothing else), so its PROVED still holds for every run.
 
 def later_passes_read_within_hashes(ctx):
     """For every N and cache state, a later pass of vLLM's loop from any state the loop's summary admits
     (candidate L a multiple of A with 0 <= L <= c1, pass 1's candidate; the full-attention lengths pass 1 set;
     any EAGLE-verified set) reads no block hash past the request's: its reach is at most |H| * h."""
     sizes = ctx.sizes()
-    _, (_, _, _, reach), reachable = _later_pass(ctx.P, ctx, ctx.cache, sizes, ctx.n, ctx.rules, "later")
-    ctx.show("reach", reach)
-    return reachable, reach <= ctx.P.num_hashes(sizes, ctx.n) * sizes.hash_block
+    _, later, reachable = _later_pass(ctx.P, ctx, ctx.cache, sizes, ctx.n, ctx.rules, "later")
+    ctx.show("reach", later.reach)
+    return reachable, later.reach <= ctx.P.num_hashes(sizes, ctx.n) * sizes.hash_block
 
 
 def passes_keep_valid_lengths(ctx):
@@ -149,19 +175,38 @@ def passes_keep_valid_lengths(ctx):
     at most that start; and a later pass from any state the loop's summary admits (as in
     later_passes_read_within_hashes) returns at least t if t is at most its candidate L."""
     sizes = ctx.sizes()
-    (start, c1, _, _, _), (last, c, _, _), reachable = _later_pass(ctx.P, ctx, ctx.cache, sizes, ctx.n,
-                                                                   ctx.rules, "later")
+    first, later, reachable = _later_pass(ctx.P, ctx, ctx.cache, sizes, ctx.n, ctx.rules, "later")
     t = ctx.fresh("t") * sizes.alignment
     valid = and_(t > 0, ctx.serves(t))
     ctx.show("t", t)
-    ctx.show("passes", (c1, c))
-    keeps_first = or_(t > start, c1 >= t)
-    keeps_later = or_(or_(not_(reachable), t > last), c >= t)
+    ctx.show("passes", (first.c, later.c))
+    keeps_first = or_(t > first.start, first.c >= t)
+    keeps_later = or_(or_(not_(reachable), t > later.L), later.c >= t)
     return valid, and_(keeps_first, keeps_later)
 
 
+def verified_groups_hold_their_drop(ctx):
+    """For every N and cache state: when pass 1 of vLLM's loop does not stop the loop, every EAGLE group it
+    leaves verified serves its dropping lookup at the candidate it returns (:func:`verified_hold`); and a
+    later pass from any state the loop's summary admits whose verified groups hold at its candidate ``L``
+    leaves, when it does not stop the loop, verified groups that hold at the candidate it returns. By
+    induction, the last pass of every run starts from verified groups that hold."""
+    sizes = ctx.sizes()
+    first, later, reachable = _later_pass(ctx.P, ctx, ctx.cache, sizes, ctx.n, ctx.rules, "later")
+
+    def hold(candidate, verified):
+        return verified_hold(ctx.P, ctx.cache, sizes, ctx.n, candidate, verified, ctx.rules)
+
+    ctx.show("passes", (first.c, later.c))
+    keeps_first = or_(first.c >= first.start, hold(first.c, first.verified))
+    premise = and_(reachable, hold(later.L, later.verified))
+    keeps_later = or_(or_(not_(premise), later.c >= later.L), hold(later.c, later.verified_after))
+    return True, and_(keeps_first, keeps_later)
+
+
 WITHIN_HASHES, KEEPS_VALID = "later_passes_read_within_hashes", "passes_keep_valid_lengths"
-LEMMAS = (WITHIN_HASHES, KEEPS_VALID)
+VERIFIED_HOLD = "verified_groups_hold_their_drop"
+LEMMAS = (WITHIN_HASHES, KEEPS_VALID, VERIFIED_HOLD)
 
 
 def loop_facts(ctx) -> list:
@@ -278,7 +323,8 @@ def lemma_invariants():
     from .model import Invariant
 
     return (Invariant(WITHIN_HASHES, later_passes_read_within_hashes, "loop"),
-            Invariant(KEEPS_VALID, passes_keep_valid_lengths, "loop"))
+            Invariant(KEEPS_VALID, passes_keep_valid_lengths, "loop"),
+            Invariant(VERIFIED_HOLD, verified_groups_hold_their_drop, "loop"))
 
 
 # (policy, configuration's read side) -> the lemmas proved there, with the seconds and units that took: a

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvhit.proofs.domains import configs
-from kvhit.proofs.loop import (KEEPS_VALID, LEMMAS, WITHIN_HASHES, LoopNotSummarised, check_every_run,
-                               lemma_invariants, proved_lemmas, summarised)
+from kvhit.proofs.loop import (KEEPS_VALID, VERIFIED_HOLD, WITHIN_HASHES, LoopNotSummarised,
+                               check_every_run, lemma_invariants, proved_lemmas, summarised)
 from kvhit.proofs.model import check
 from kvhit.proofs.runner import BY_NAME
 from kvhit.spec.domain import NO_SPECULATION
@@ -42,9 +42,10 @@ def test_the_layouts_run_the_loop_beyond_its_simple_case(layout, speculation):
 # The safety claims, each for one policy per configuration (every combination: 36 checks of each kind,
 # measured alike on 2026-12-03: the summary PROVED all 33 the unrolled loop PROVED, and left the 3 it
 # REFUTED undecided). Since Candidate C1's repair (reverify_after_shrink) the unrolled loop proves validity
-# for vllm_0_33_repaired on swa32_mamba64 in drop mode, and the summary cannot: it takes the verified set
-# of the last pass as arbitrary, and with sticky verifications that is the state C1 is about.
-NOT_SUMMARISED = {("hit_is_valid_in_every_group", "vllm_0_33_repaired", "swa32_mamba64", "drop Lp=1")}
+# for vllm_0_33_repaired on swa32_mamba64 in drop mode, and the summary alone cannot: it takes the verified
+# set of the last pass as arbitrary, and with sticky verifications that is the state C1 is about. With the
+# lemma verified_groups_hold_their_drop it can, for every run.
+NEEDS_LEMMAS = {("hit_is_valid_in_every_group", "vllm_0_33_repaired", "swa32_mamba64", "drop Lp=1")}
 SAFETY = [(inv, policy, layout, speculation)
           for k, (layout, speculation) in enumerate(CONFIGS)
           for j, inv in enumerate(("hit_is_aligned_and_capped", "hit_is_valid_in_every_group", "hit_loop_terminates"))
@@ -55,14 +56,15 @@ SAFETY.append(("hit_is_valid_in_every_group", "vllm_0_33", "swa32_mamba64", "dro
 @pytest.mark.parametrize("invariant,policy,layout,speculation", SAFETY)
 def test_the_summary_proves_the_safety_claims_the_unrolled_loop_proves(invariant, policy, layout, speculation):
     """Where the unrolled check proves a safety claim the summary proves it (then for every run), but for
-    NOT_SUMMARISED, where the verdict says it covers the unrolled passes only; where a real run refutes it
-    the summary proves nothing."""
+    NEEDS_LEMMAS, where the summary proves it with its lemmas (then for every run too); where a real run
+    refutes it the summary proves nothing."""
     cfg, rules = config(layout, speculation), ALL_POLICIES[policy]
     unrolled = check(BY_NAME[invariant], rules, cfg)[0]
     summary = check(BY_NAME[invariant], rules, cfg, summary=True)[0]
     verdict, _, cex, _ = check_every_run(BY_NAME[invariant], rules, cfg)
-    if (invariant, policy, layout, speculation) in NOT_SUMMARISED:
-        assert (unrolled, summary, verdict, cex) == ("PROVED", "UNDECIDED", "PROVED", {"loop": "runs within 3 passes"})
+    if (invariant, policy, layout, speculation) in NEEDS_LEMMAS:
+        assert VERIFIED_HOLD in proved_lemmas(rules, cfg)[0][sizes(cfg)]
+        assert (unrolled, summary, verdict, cex) == ("PROVED", "UNDECIDED", "PROVED", None)
         return
     assert (unrolled, summary) in (("PROVED", "PROVED"), ("REFUTED", "UNDECIDED"))
     assert verdict == unrolled and (cex is None or verdict == "REFUTED")
@@ -84,8 +86,8 @@ STOPPING = [("hit_is_the_longest_valid", "vllm_0_33", "swa32_mamba64", "none", "
 def test_the_lemmas_let_the_summary_decide_where_the_loop_stops(invariant, policy, layout, speculation,
                                                                unrolled):
     """The summary alone does not prove the claim; with the lemmas proved on the configuration it proves it
-    where the unrolled loop does (then for every run, which needs both lemmas), and where a real run refutes
-    it, it proves nothing and the unrolled check's counterexample stands."""
+    where the unrolled loop does (then for every run; it needs the first two lemmas), and where a real run
+    refutes it, it proves nothing and the unrolled check's counterexample stands."""
     cfg, rules = config(layout, speculation), ALL_POLICIES[policy]
     assert check(BY_NAME[invariant], rules, cfg)[0] == unrolled
     assert check(BY_NAME[invariant], rules, cfg, summary=True)[0] == "UNDECIDED"
@@ -93,7 +95,8 @@ def test_the_lemmas_let_the_summary_decide_where_the_loop_stops(invariant, polic
     assert set(lemmas) == {sizes(cfg), derive_sizes(cfg.layout, NO_SPECULATION)}
     with_lemmas = check(BY_NAME[invariant], rules, cfg, summary=True, loop_lemmas=lemmas)[0]
     assert with_lemmas == ("PROVED" if unrolled == "PROVED" else "UNDECIDED")
-    assert unrolled == "REFUTED" or all(proved == LEMMAS for proved in lemmas.values())
+    assert unrolled == "REFUTED" or all({WITHIN_HASHES, KEEPS_VALID} <= set(proved)
+                                        for proved in lemmas.values())
     verdict, _, cex, _ = check_every_run(BY_NAME[invariant], rules, cfg)
     assert verdict == unrolled and (cex is None or verdict == "REFUTED")
 
@@ -108,6 +111,18 @@ def test_a_policy_that_reads_past_the_hashes_does_not_get_the_within_lemma():
     cfg, rules = config("swa32_mamba64", "drop Lp=1"), ALL_POLICIES["peek_past_hashes"]
     assert check(_lemma(WITHIN_HASHES), rules, cfg)[0] == "REFUTED"
     assert WITHIN_HASHES not in proved_lemmas(rules, cfg)[0][sizes(cfg)]
+
+
+def test_sticky_verifications_refute_the_verified_lemma_and_validity_stays_refuted():
+    """Candidate C1 on swa32_mamba64 in drop mode: vLLM 0.33 keeps a group verified across a shrink, so a
+    pass can leave a verified group that does not hold at the new candidate (the lemma is refuted, not used),
+    and the real run on which the hit is not valid stands; the repair proves the lemma."""
+    cfg = config("swa32_mamba64", "drop Lp=1")
+    assert check(_lemma(VERIFIED_HOLD), ALL_POLICIES["vllm_0_33"], cfg)[0] == "REFUTED"
+    assert check(_lemma(VERIFIED_HOLD), ALL_POLICIES["vllm_0_33_repaired"], cfg)[0] == "PROVED"
+    assert VERIFIED_HOLD not in proved_lemmas(ALL_POLICIES["vllm_0_33"], cfg)[0][sizes(cfg)]
+    validity = BY_NAME["hit_is_valid_in_every_group"]
+    assert check_every_run(validity, ALL_POLICIES["vllm_0_33"], cfg)[0] == "REFUTED"
 
 
 def test_a_pass_that_skips_a_valid_length_refutes_the_keeps_lemma_and_the_claim_falls_back():
