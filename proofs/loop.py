@@ -129,9 +129,10 @@ def hit_tokens_summary(ctx, cache, sizes, n_tokens, rules):
     """``(hit, reach, longest, converged)`` of vLLM's Hybrid loop over every run (module docstring);
     ``converged`` says the summary's inputs describe a run (the claim assumes it, as it assumes the unrolled
     loop's). With the lemmas (:data:`LEMMAS`) proved for these sizes (``ctx.loop_lemmas[sizes]``), the
-    passes in between read within the hashes (:func:`later_passes_read_within_hashes`), and the run is
-    recorded (``ctx.loop_runs``) so that :func:`loop_facts` can say it stops at or above every valid length
-    below its start (:func:`passes_keep_valid_lengths`)."""
+    passes in between read within the hashes (:func:`later_passes_read_within_hashes`), the last pass starts
+    from verified groups that hold (:func:`verified_groups_hold_their_drop`), and the run is recorded
+    (``ctx.loop_runs``) so that :func:`loop_facts` can say it stops at or above every valid length below its
+    start (:func:`passes_keep_valid_lengths`)."""
     tag = f"loop{len(ctx.symbols)}"
     first, last, reachable = _later_pass(spec_policy, ctx, cache, sizes, n_tokens, rules, tag)
     stops_at_once = first.c >= first.start
