@@ -14,7 +14,8 @@ verdicts said nothing of longer runs. Here the loop is *summarised* by two passe
   ``longest`` at most their start (``<= c1``) and to ``reach`` anything.
 
 Why every run is covered: by :func:`kvhit.proofs.termination.hit_loop_terminates` (which
-:func:`check_every_run` checks first, on the same configuration and policy) the first pass leaves aligned
+:func:`check_every_run` checks first, on the same configuration and policy, with and without its speculation,
+since the EAGLE loss summarises a run of each) the first pass leaves aligned
 full-attention lengths, every pass from such a state returns a multiple of ``A`` between 0 and its start, and
 no lookup of a pass returns more than its start; so every candidate after pass 1 lies in ``[0, c1]``, the
 passes in between add at most ``c1`` to ``longest``, and a run that does
@@ -256,16 +257,17 @@ def proved_for_every_run(verdict: str, cex) -> bool:
 def check_every_run(invariant, rules, config):
     """:func:`kvhit.proofs.model.check` of a read- or write-side claim, every run of vLLM's loop covered where
     the summary proves it: ``(verdict, seconds, cex, rlimit)``. Where the policy runs the loop beyond its
-    simple case, the summary is tried first; if it does not prove the claim, the unrolled check decides, and
-    a PROVED from it carries ``cex = {"loop": ...}`` saying it covers only the runs within its passes. Each
-    check is tried under the scans' contracts first (:func:`check_by_contract`)."""
+    simple case, the summary is tried first, alone and then with the lemmas proved on the configuration
+    (:func:`proved_lemmas`); if it does not prove the claim, the unrolled check decides, and a PROVED from it
+    carries ``cex = {"loop": ...}`` saying it covers only the runs within its passes. Each check is tried
+    under the scans' contracts first (:func:`check_by_contract`)."""
     from kvhit.spec.sizes import derive_sizes
 
     sizes = derive_sizes(config.layout, config.speculation, rules.scale_replicated)
     if not summarised(sizes, rules):
         return check_by_contract(invariant, rules, config)
     # The summary is sound where every pass stays within its start (hit_loop_terminates, on the
-    # configuration's read side): checked here first, not assumed.
+    # configuration's read side, with and without its speculation): checked here first, not assumed.
     terminates, seconds, spent = _terminates(rules, config)
     if terminates:
         try:
@@ -308,16 +310,32 @@ def check_by_contract(invariant, rules, config, summary: bool = False, loop_lemm
     return verdict, seconds + more_seconds, cex, spent + more_spent
 
 
-def _terminates(rules, config):
-    """``(PROVED, seconds, rlimit)`` of :func:`kvhit.proofs.termination.hit_loop_terminates` for the policy
-    on the configuration's read side."""
+def _read_sides(config):
+    """The configuration's read side under each speculative setting a claim on it runs the loop with: the
+    configuration's own and none (the EAGLE loss compares the two runs)."""
     from dataclasses import replace
 
+    from kvhit.spec.domain import NO_SPECULATION
+
     from .model import READ_SIDE
+
+    return [replace(config, speculation=speculation, retention=READ_SIDE)
+            for speculation in dict.fromkeys((config.speculation, NO_SPECULATION))]
+
+
+def _terminates(rules, config):
+    """``(PROVED, seconds, rlimit)`` of :func:`kvhit.proofs.termination.hit_loop_terminates` for the policy
+    on the configuration's read side, under each speculative setting a claim on it runs the loop with (the
+    summary stands in for every such run)."""
     from .termination import INVARIANTS
 
-    verdict, seconds, _, spent = check_by_contract(INVARIANTS[0], rules, replace(config, retention=READ_SIDE))
-    return verdict == "PROVED", seconds, spent
+    proved, seconds, spent = True, 0.0, 0
+    for read in _read_sides(config):
+        verdict, more_seconds, _, more_spent = check_by_contract(INVARIANTS[0], rules, read)
+        proved, seconds, spent = proved and verdict == "PROVED", seconds + more_seconds, spent + more_spent
+        if not proved:
+            break
+    return proved, seconds, spent
 
 
 def lemma_invariants():
@@ -340,16 +358,10 @@ def proved_lemmas(rules, config):
     (checked once per process; the seconds and units of the first asking only). A lemma speaks of single
     passes, so no loop is unrolled, and a REFUTED is a real counterexample to the lemma (replayed by
     refimpl), though perhaps from a state no run reaches."""
-    from dataclasses import replace
-
-    from kvhit.spec.domain import NO_SPECULATION
     from kvhit.spec.sizes import derive_sizes
 
-    from .model import READ_SIDE
-
     lemmas, seconds, spent = {}, 0.0, 0
-    for speculation in dict.fromkeys((config.speculation, NO_SPECULATION)):
-        read = replace(config, speculation=speculation, retention=READ_SIDE)
+    for read in _read_sides(config):
         key = (rules, read)
         if key not in _PROVED:
             proved = []
@@ -359,5 +371,5 @@ def proved_lemmas(rules, config):
                 if verdict == "PROVED":
                     proved.append(lemma.name)
             _PROVED[key] = tuple(proved)
-        lemmas[derive_sizes(read.layout, speculation, rules.scale_replicated)] = _PROVED[key]
+        lemmas[derive_sizes(read.layout, read.speculation, rules.scale_replicated)] = _PROVED[key]
     return lemmas, seconds, spent
