@@ -208,7 +208,9 @@ def verified_groups_hold_their_drop(ctx):
 
 WITHIN_HASHES, KEEPS_VALID = "later_passes_read_within_hashes", "passes_keep_valid_lengths"
 VERIFIED_HOLD = "verified_groups_hold_their_drop"
-LEMMAS = (WITHIN_HASHES, KEEPS_VALID, VERIFIED_HOLD)
+# each lemma's name and claim
+LEMMAS = {WITHIN_HASHES: later_passes_read_within_hashes, KEEPS_VALID: passes_keep_valid_lengths,
+          VERIFIED_HOLD: verified_groups_hold_their_drop}
 
 
 def loop_facts(ctx) -> list:
@@ -329,21 +331,19 @@ def _terminates(rules, config):
     summary stands in for every such run)."""
     from .termination import INVARIANTS
 
-    proved, seconds, spent = True, 0.0, 0
+    seconds, spent = 0.0, 0
     for read in _read_sides(config):
         verdict, more_seconds, _, more_spent = check_by_contract(INVARIANTS[0], rules, read)
-        proved, seconds, spent = proved and verdict == "PROVED", seconds + more_seconds, spent + more_spent
-        if not proved:
-            break
-    return proved, seconds, spent
+        seconds, spent = seconds + more_seconds, spent + more_spent
+        if verdict != "PROVED":
+            return False, seconds, spent
+    return True, seconds, spent
 
 
 def lemma_invariants():
     from .model import Invariant
 
-    return (Invariant(WITHIN_HASHES, later_passes_read_within_hashes, "loop"),
-            Invariant(KEEPS_VALID, passes_keep_valid_lengths, "loop"),
-            Invariant(VERIFIED_HOLD, verified_groups_hold_their_drop, "loop"))
+    return tuple(Invariant(name, claim, "loop") for name, claim in LEMMAS.items())
 
 
 # (policy, configuration's read side) -> the lemmas proved there, with the seconds and units that took: a

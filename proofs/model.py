@@ -180,8 +180,15 @@ class _Context:
     def serves(self, x, speculation: Speculation | None = None, cache=None, n=None):
         """Whether every group serves a hit of ``x`` (the reference's notion of validity) to a prompt of
         ``n`` tokens (the claim's ``N``) on ``cache`` (the claim's cache)."""
-        return serves(self.P, self.cache if cache is None else cache, self.sizes(speculation), x,
-                      self.n if n is None else n)
+        cache, n = self.cache if cache is None else cache, self.n if n is None else n
+        sizes = self.sizes(speculation)
+        valid = serves(self.P, cache, sizes, x, n)
+        self._asked(cache, sizes, n, x, valid)
+        return valid
+
+    def _asked(self, cache, sizes, n, x, valid) -> None:
+        """A validity question the claim asked (:meth:`serves`) and its answer: the symbolic context keeps
+        it for the loop summary's facts (:func:`kvhit.proofs.loop.loop_facts`)."""
 
     def dense(self, extent, speculation: Speculation | None = None):
         """Every group holds every block up to ``extent`` tokens, at each unit its lookups read."""
@@ -221,13 +228,10 @@ class SymbolicContext(_Context):
         self.loop_runs: list = []
         self.served: list = []
 
-    def serves(self, x, speculation: Speculation | None = None, cache=None, n=None):
-        valid = super().serves(x, speculation, cache, n)
+    def _asked(self, cache, sizes, n, x, valid) -> None:
         # only then: holding these terms alive changes how Z3 numbers its terms, and so the units it spends
         if self.loop_lemmas:
-            self.served.append((self.cache if cache is None else cache, self.sizes(speculation),
-                                self.n if n is None else n, x, valid))
-        return valid
+            self.served.append((cache, sizes, n, x, valid))
 
     def fresh(self, name: str) -> Term:
         self.symbols[name] = fresh_int(name)
