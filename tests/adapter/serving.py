@@ -367,10 +367,15 @@ class Observer:
 
         def get_computed_blocks(manager, request, *args, **kwargs):
             observer._request = request
+            before = observer.lookups
             try:
-                return inner_gcb(manager, request, *args, **kwargs)
+                result = inner_gcb(manager, request, *args, **kwargs)
             finally:
                 observer._request = None
+            records = observer.request_lookups.get(request.request_id)
+            if observer.lookups > before and records:  # the junction this lookup recorded
+                records[-1]["shared_prefix_boundary"] = result[2]
+            return result
 
         self._saved.append((KVCacheManager, "get_computed_blocks", inner_gcb))
         KVCacheManager.get_computed_blocks = get_computed_blocks
@@ -415,7 +420,8 @@ class Observer:
         rid = request.request_id if request is not None else "?"
         if problems:
             self.unsound.append(f"{rid}: N-1={max_cache_hit_length} hit={hit}: " + "; ".join(problems))
-        record = {"hit": hit, "max_cache_hit_length": max_cache_hit_length, "evictions": self.evictions}
+        record = {"hit": hit, "max_cache_hit_length": max_cache_hit_length, "evictions": self.evictions,
+                  "seq": self.lookups}
         if self.record_pool:
             record["pool"] = pool_boundaries(self.scheduler, block_hashes)
         self.request_lookups.setdefault(rid, []).append(record)
@@ -447,7 +453,9 @@ def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer:
     scheduling, with one step in flight as ``EngineCore`` keeps it.
 
     Returns per arrival: ``num_cached_tokens`` (``prefill_stats``), the steps it was added and finished at,
-    its preemptions and the pool's eviction count when it finished, and the observer's lookups of it.
+    its preemptions, the pool's eviction count and the observer's lookup count when it finished, and the
+    observer's lookups of it (each numbered by ``seq`` in the order the scheduler made them, with the
+    ``shared_prefix_boundary`` it recorded).
     ``stats`` (if given) gets ``steps``, ``peak_used_blocks`` (the most pool blocks in use after a
     ``schedule()``) and ``most_in_flight`` (the most steps scheduled at once whose output was not in);
     ``keep_hashes`` (if given) each request's block hashes.
@@ -460,7 +468,7 @@ def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer:
     most_in_flight = peak = 0
     pending = list(arrivals)
     requests, added, finished, cached = {}, {}, {}, {}
-    evictions_at_finish = {}
+    evictions_at_finish, lookups_at_finish = {}, {}
     last_added = -10**9
     for now in range(max_steps):
         while pending and all(a in finished for a in pending[0].after) and now - last_added >= pending[0].wait:
@@ -492,6 +500,7 @@ def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer:
                 if o.finish_reason is not None:
                     finished[o.request_id] = now
                     evictions_at_finish[o.request_id] = observer.evictions if observer else 0
+                    lookups_at_finish[o.request_id] = observer.lookups if observer else 0
     else:
         raise RuntimeError(f"stream did not finish in {max_steps} steps")
     if stats is not None:
@@ -503,6 +512,7 @@ def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer:
              "num_cached_tokens": cached.get(a.request_id), "added": added[a.request_id],
              "finished": finished[a.request_id], "preemptions": requests[a.request_id].num_preemptions,
              "evictions_at_finish": evictions_at_finish[a.request_id],
+             "lookups_at_finish": lookups_at_finish[a.request_id],
              "lookups": lookups.get(a.request_id, [])} for a in arrivals]
 
 
@@ -584,6 +594,8 @@ def run_condition(case_name: str, condition: str, budget: int, models_dir: str) 
                 "num_blocks": scheduler.kv_cache_config.num_blocks,
                 "dcp": scheduler.vllm_config.parallel_config.decode_context_parallel_size,
                 "prefix_match_unit": scheduler.vllm_config.cache_config.prefix_match_unit,
+                "retention": scheduler.vllm_config.cache_config.prefix_cache_retention_interval,
+                "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens,
                 "class": type(scheduler).__name__, "most_in_flight": stats["most_in_flight"]},
             "served": served, "trace": trace, "lookups": observer.lookups, "unsound": observer.unsound,
             "evictions": observer.evictions}

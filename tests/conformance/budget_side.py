@@ -14,7 +14,7 @@ vLLM's ``KVCacheManager`` and the scheduler's own chunk clipping), for a write s
   model's ``sliding_window_gaps`` says of chunks it knows), and a cut chunk makes more of those, below any
   aligned window (DeepSeek-V4's report layout, block 128 at window 128: the first block);
 * **every extra boundary is a chunk end's**: a boundary vLLM keeps beyond the model lies below a chunk end of
-  the run, within the sliding-window tail or the Mamba block that chunk left (:func:`_tail_span`);
+  the run, within the sliding-window tail or the Mamba block that chunk left (:func:`tail_span`);
 * **every lookup as the read side says on the cache vLLM holds**: each later request's hit and
   ``shared_prefix_boundary`` equal ``vllm_0_33``'s read side on the boundaries vLLM's pool holds at its
   admission (or vLLM raises ``IndexError`` where that read side reads past the hashes, F1);
@@ -80,7 +80,7 @@ def _chunk_ends(start: int, chunks: list[int], n: int) -> list[int]:
     return ends
 
 
-def _tail_span(sg) -> int:
+def tail_span(sg) -> int:
     """How far below a chunk end a boundary the chunk left can lie: a sliding-window group keeps the blocks
     its window reaches back over and the block it ends in, a Mamba group the state of the block it ends in."""
     if sg.window:
@@ -162,7 +162,7 @@ def _run(scenario: WriteScenario, budget: int, stats: BudgetStats, rules) -> lis
             fail(f"spec group {k} ({sg.kind.value} {sg.block}) no longer serves {lost}, which the model's cache "
                  f"serves; chunk ends {ends}", runs(sorted(held[k]), h), runs(want, h))
         have = [x for x in sorted(held[k]) if x <= n - L]
-        span = _tail_span(sg)
+        span = tail_span(sg)
         unexplained = [x for x in sorted(set(have) - set(want)) if not any(e - span < x <= e for e in ends)]
         if unexplained:
             fail(f"spec group {k} ({sg.kind.value} {sg.block}) keeps boundaries no chunk end explains: "
