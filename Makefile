@@ -14,7 +14,7 @@ CONFORMANCE_LONG_SCENARIOS ?= 54000
 # Write-side scenarios (tests/conformance/test_write_side_matches_vllm.py; CI runs its default of 2,000).
 CONFORMANCE_LONG_WRITE_SCENARIOS ?= 50000
 
-.PHONY: prove test setup setup-vllm032 conformance-032 gen check-gen venv dist conformance conformance-long conformance-long-032 bench soak e2e e2e-032 vllm-tests vllm-tests-long clean
+.PHONY: prove test setup setup-vllm032 conformance-032 gen check-gen venv dist conformance conformance-long conformance-long-032 bench soak soak-stock e2e e2e-032 vllm-tests vllm-tests-long clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -186,6 +186,11 @@ SOAK_LOOKUPS ?= 100000
 
 soak: setup
 	KVHIT_MODE=enforce VLLM_PLUGINS=kvhit $(PY) -m tests.adapter.soak --lookups $(SOAK_LOOKUPS) --table
+
+# The same random streams on stock vLLM (KVHIT_MODE=off, byte-identical to stock), every lookup compared with
+# the spec's vllm_0_33 on the pool it saw: the read-side differential under load, eviction and preemption.
+soak-stock: setup
+	KVHIT_MODE=off VLLM_PLUGINS=kvhit $(PY) -m tests.adapter.soak --lookups $(SOAK_LOOKUPS) --table
 
 gen: venv
 	$(PY) -m kvhit.spec.codegen

@@ -19,7 +19,8 @@ Every lookup the scheduler makes (``find_longest_cache_hit`` as kvhit's seam ans
 (``serving.lookup_problems``): every block returned carries the request's hash at its position, every
 sliding-window block and Mamba state the hit relies on is a cached block (not a null block), and the hit
 is at most ``N - 1``; and the hit is ``refimpl``'s reference hit on the cache the pool held at that lookup
-(the generic ``refimpl.hit``, asking the pool only the boundaries it reads: :class:`ReferenceCheck`). A
+(the generic ``refimpl.hit``, asking the pool only the boundaries it reads: :class:`ReferenceCheck`; with
+``KVHIT_MODE=off``, stock vLLM, ``vllm_0_33``'s hit: ``make soak-stock``). A
 run fails outright if it checked fewer lookups than kvhit enforced (the observer would have been bypassed).
 Counted besides: ``kvhit_enforce_fallbacks_total``, and first-repeat misses: a prompt served three times,
 each after the one before finished, whose first repeat hits less than its second; those with a block of
@@ -65,6 +66,8 @@ class Row:
     first_repeats: int = 0
     misses_evicted: int = 0
     misses: int = 0  # first-repeat misses with no block of the prompt evicted
+    # lookups whose hit the reference would have changed (checked against another policy: 0 under enforce)
+    unlike_reference: int = 0
 
 
 TOKEN_IDS = range(3, 512)  # the ids serving.tokens draws (the stand-in model runner samples 0 and drafts 1)
@@ -190,9 +193,10 @@ def first_repeat_misses(served: list[dict], hashes: dict, observer: serving.Obse
 
 
 class ReferenceCheck:
-    """Compares every enforced lookup's hit with ``refimpl``'s reference hit on the cache the pool held."""
+    """Compares every lookup's hit with ``refimpl``'s hit under ``policy`` on the cache the pool held: the
+    reference's under enforce, ``vllm_0_33``'s under off (byte-identical to stock vLLM)."""
 
-    def __init__(self, scheduler, case: serving.Case) -> None:
+    def __init__(self, scheduler, case: serving.Case, policy: str = "reference") -> None:
         import kvhit.refimpl as R
 
         run = {"kv_cache_groups": serving.describe_groups(scheduler), "scheduler": {
@@ -201,16 +205,22 @@ class ReferenceCheck:
         self.R = R
         self.layout = serving.planned_layout(run)
         self.speculation = serving.speculation_of(case)
-        self.sizes = R.derive_sizes(self.layout, self.speculation)
+        self.policy = policy
+        self.sizes = R.derive_sizes(self.layout, self.speculation, R.policy_rules(policy).scale_replicated)
         self.scheduler = scheduler
         self.mismatches: list[str] = []
+        self.unlike_reference = 0
 
     def __call__(self, block_hashes, max_cache_hit_length: int, hit: int) -> None:
         want = self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1,
-                          self.R.CacheState(self.pool_oracle(block_hashes)), "reference")
+                          self.R.CacheState(self.pool_oracle(block_hashes)), self.policy)
+        if self.policy != "reference":  # the comparison is not the reference's under another name
+            self.unlike_reference += hit != self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1,
+                                                       self.R.CacheState(self.pool_oracle(block_hashes)),
+                                                       "reference")
         if want != hit:
             retained = serving.pool_boundaries(self.scheduler, block_hashes)
-            self.mismatches.append(f"N={max_cache_hit_length + 1} hit={hit} reference={want} pool={retained}")
+            self.mismatches.append(f"N={max_cache_hit_length + 1} hit={hit} {self.policy}={want} pool={retained}")
 
     def pool_oracle(self, block_hashes) -> Callable[[int, int], bool]:
         """``has(k, x)``: whether the pool holds the request's block hash ending at ``x`` for every KV-cache
@@ -233,6 +243,12 @@ class ReferenceCheck:
         return has
 
 
+# The policy every lookup is compared with, per KVHIT_MODE: enforce answers with the reference; off and shadow
+# are stock vLLM (byte-identical: tests/adapter/test_serving_conditions.py), whose policy is vllm_0_33
+# (`make soak-stock`).
+POLICY_OF_MODE = {"enforce": "reference", "shadow": "vllm_0_33", "off": "vllm_0_33"}
+
+
 def fallbacks() -> float:
     return serving.kvhit_counters().get("kvhit_enforce_fallbacks", 0.0)
 
@@ -240,6 +256,7 @@ def fallbacks() -> float:
 def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dict:
     """Streams until ``lookups`` lookups were checked; returns the rows and the totals."""
     rng = random.Random(seed)
+    policy = POLICY_OF_MODE[os.environ.get("KVHIT_MODE", "enforce")]
     cases = list(cases or SOAKED)
     rows: dict[tuple, Row] = collections.defaultdict(Row)
     unsound_examples: list[str] = []
@@ -264,7 +281,7 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
         with serving.Observer() as observer:
             scheduler, block_hasher = serving.build(case, models_dir, budget, num_gpu_blocks, async_scheduling)
             observer.attach(scheduler)
-            reference = ReferenceCheck(scheduler, case)
+            reference = ReferenceCheck(scheduler, case, policy)
             observer.on_lookup = reference
             before = serving.kvhit_counters()
             requests = 0
@@ -298,6 +315,7 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
         row.evictions += observer.evictions
         row.fallbacks += int(fallbacks() - before.get("kvhit_enforce_fallbacks", 0.0))
         row.reference_mismatches += len(reference.mismatches)
+        row.unlike_reference += reference.unlike_reference
         unsound_examples += observer.unsound[:3] + reference.mismatches[:3]
         total += observer.lookups
     seconds = time.monotonic() - started
@@ -305,7 +323,7 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
     for row in rows.values():
         for field in dataclasses.fields(Row):
             setattr(totals, field.name, getattr(totals, field.name) + getattr(row, field.name))
-    return {"seed": seed, "seconds": seconds, "totals": dataclasses.asdict(totals),
+    return {"seed": seed, "seconds": seconds, "policy": policy, "totals": dataclasses.asdict(totals),
             "rows": [{"layout": k[0], "budget": k[1], "pool": k[2], "scheduling": k[3], **dataclasses.asdict(v)}
                      for k, v in sorted(rows.items())],
             "examples": unsound_examples[:20]}
@@ -365,8 +383,8 @@ def summary(result: dict) -> str:
     t = result["totals"]
     return (f"soak: seed {result['seed']}: {t['lookups']} lookups checked in {result['seconds']:.1f} s "
             f"({t['streams']} streams, {t['requests']} requests, {t['preemptions']} preemptions, "
-            f"{t['evictions']} evictions): {t['unsound']} unsound, {t['reference_mismatches']} reference "
-            f"mismatches, {t['fallbacks']} fallbacks; {t['first_repeats']} first repeats, "
+            f"{t['evictions']} evictions): {t['unsound']} unsound, {t['reference_mismatches']} "
+            f"{result.get('policy', 'reference')} mismatches, {t['fallbacks']} fallbacks; {t['first_repeats']} first repeats, "
             f"{t['misses']} first-repeat misses ({t['misses_evicted']} more after an eviction of the prompt's "
             f"blocks)")
 

@@ -3,7 +3,8 @@ streams with shared prefixes, eviction pressure and preemption through vLLM 0.33
 ``KVHIT_MODE=enforce``, every lookup checked.
 
 One process (kvhit loaded through vLLM's plugin loader, as ``EngineCore`` does), fixed seed, at least
-``CI_LOOKUPS`` lookups; about a minute on two busy cores.
+``CI_LOOKUPS`` lookups; about a minute on two busy cores. And a shorter one with ``KVHIT_MODE=off`` (stock
+vLLM), every lookup against the spec's ``vllm_0_33`` (``make soak-stock`` runs it long).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from tests.adapter import child_runs, soak
 
 CI_LOOKUPS = 5000
+STOCK_LOOKUPS = 2000  # the stock soak (KVHIT_MODE=off, against vllm_0_33; make soak-stock runs 100,000)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,35 @@ def result(tmp_path_factory):
     return data
 
 
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    """The soak's JSON result with ``KVHIT_MODE=off`` (byte-identical to stock vLLM): every lookup compared
+    with ``vllm_0_33``."""
+    out = tmp_path_factory.mktemp("soak_stock") / "soak.json"
+    process = child_runs.start("tests.adapter.soak", ["--lookups", STOCK_LOOKUPS, "--seed", soak.DEFAULT_SEED,
+                                                      "--json", out], child_runs.env("off"))
+    log, _ = process.communicate(timeout=900)
+    if not out.exists():
+        pytest.fail(f"the stock soak exited {process.returncode} without a result:\n{log[-6000:]}")
+    with open(out) as f:
+        data = json.load(f)
+    data["returncode"], data["log_tail"] = process.returncode, log[-3000:]
+    return data
+
+
+def test_stock_soak_is_vllm_0_33_on_every_lookup(stock):
+    """Stock vLLM under the soak's load: every lookup is sound and is ``vllm_0_33``'s hit on the pool it saw,
+    on every soaked layout, with evictions and preemptions. (Where ``vllm_0_33``'s read side differs from the
+    reference's, ``test_serving_conditions.py::test_the_stock_comparison_can_fail`` shows the comparison
+    failing; the long run counts the lookups where it does: docs/adapter.md.)"""
+    totals = stock["totals"]
+    assert stock["policy"] == "vllm_0_33" and stock["returncode"] == 0, stock["log_tail"]
+    assert (totals["unsound"], totals["reference_mismatches"]) == (0, 0), (totals, stock["examples"])
+    assert totals["lookups"] >= STOCK_LOOKUPS and totals["evictions"] > 0 and totals["preemptions"] > 0, totals
+    assert {row["layout"] for row in stock["rows"] if row["lookups"]} == set(soak.SOAKED), stock["rows"]
+    assert stock["kvhit_counters"]["vllm:kvhit_lookups"] == 0, stock["kvhit_counters"]  # off enforces nothing
+
+
 def test_soak_checks_at_least_the_ci_lookups_on_every_soaked_layout(result):
     """Not vacuous: the lookups counted are the ones checked, at least ``CI_LOOKUPS``, on every soaked
     layout, under vLLM's ``Scheduler`` and its ``AsyncScheduler``, with evictions and preemptions among them."""
@@ -53,6 +84,7 @@ def test_every_soaked_lookup_is_sound_is_the_reference_and_never_falls_back(resu
     totals = result["totals"]
     assert (totals["unsound"], totals["reference_mismatches"], totals["fallbacks"]) == (0, 0, 0), (
         totals, result["examples"])
+    assert result["policy"] == "reference" and totals["unlike_reference"] == 0, totals
     assert result["kvhit_counters"]["kvhit_unmodelled_layouts"] == 0, result["kvhit_counters"]
     assert result["returncode"] == 0, result["log_tail"]
 
