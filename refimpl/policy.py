@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 7c4646a56bc09e030eed2d162d9bff3013731712e6a4eb20caba17f6f5cd386f
-output-sha256: 14c559b50e3993c466bc96548ba067cf3f891a3a25f9ae9c3f8ae89dacf326d8
+spec-sha256: f9ecca86d3717d72fd41d6f6aba0fa0d9fa06fc0654f993c30a0e19dfc900bfe
+output-sha256: 2a551a3a86443af09de6fec9741ac0f17e1484080230fc78e7d94146831c3c39
 """
 
 import itertools
@@ -1475,6 +1475,19 @@ def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
         return max(sizes.alignment, block)
     return 0
 
+def resume_tail(sizes: Sizes, boundaries):
+    """Where the reference keeps the prompt's Mamba checkpoint, its one partial tail (``boundaries``:
+    :func:`replay_boundaries` under ``Replay.RESUME``, the :func:`resume_points` first): where a resend
+    resumes right after the prefill; where it resumes after decoding, when that one is nowhere (multi-module
+    MTP in drop mode, whose reprefillable tail keeps a short prompt's cacheable tokens below a hit). Without
+    the second, a prompt of at most one full-attention block kept no tail where vLLM keeps its checkpoint,
+    and a later prompt that shares the tail and a longer prefix with another hit less than under vLLM
+    (Qwen3.5's layout at 160-token hash units, MTP 2, drop: prompts of 320, a 4162-token sibling, then one
+    sharing 3157 of it: 0 where vLLM hits 160)."""
+    if len(boundaries) > 3 and sizes.drop and (reprefillable(sizes) > 0):
+        return boundaries[0] if boundaries[0] > 0 else boundaries[3]
+    return boundaries[0]
+
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
     """The Mamba states a request leaves: vLLM's bookkeeping, one state per Mamba block slot and one partial
     tail per request (vLLM ``MambaManager``).
@@ -1485,7 +1498,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     prompt checkpoint is registered as a tail whatever the mask says (``_cache_partial_tail_block``) when a
     caching call's cacheable tokens end exactly there. vLLM 0.33: the checkpoint is
     ``get_mamba_prefill_checkpoint_position`` at the hash unit. ``Replay.RESUME`` (vLLM, patched): the
-    checkpoint is the resend's resume point (``boundaries[0]``), and the scheduler also ends a chunk at
+    checkpoint is the resend's resume point (:func:`resume_tail`), and the scheduler also ends a chunk at
     each retained state (``retained``, :func:`retained_stops`) and at every multiple of the interval (of
     ``max(A, b)`` when dense: ``next_mamba_state_boundary``) up to the extent, so those are states too: the
     ``period``. The reference keeps this bookkeeping too, on a Mamba group read at hash granularity as on
@@ -1517,7 +1530,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
         points.append(e if ok else NO_STATE)
     drop = sizes.drop and rules.checkpoint_drop
     if resume:
-        tail = boundaries[0]
+        tail = resume_tail(sizes, boundaries)
     else:
         tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
     is_end = False

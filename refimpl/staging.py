@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 7c4646a56bc09e030eed2d162d9bff3013731712e6a4eb20caba17f6f5cd386f
+spec-sha256: f9ecca86d3717d72fd41d6f6aba0fa0d9fa06fc0654f993c30a0e19dfc900bfe
 output-sha256: 2d8dbc5eeefa38e92042e1536e4e99477fa664e65e7f5028a6a886a120282f7f
 """
 

@@ -461,6 +461,20 @@ def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
     return 0
 
 
+def resume_tail(sizes: Sizes, boundaries):
+    """Where the reference keeps the prompt's Mamba checkpoint, its one partial tail (``boundaries``:
+    :func:`replay_boundaries` under ``Replay.RESUME``, the :func:`resume_points` first): where a resend
+    resumes right after the prefill; where it resumes after decoding, when that one is nowhere (multi-module
+    MTP in drop mode, whose reprefillable tail keeps a short prompt's cacheable tokens below a hit). Without
+    the second, a prompt of at most one full-attention block kept no tail where vLLM keeps its checkpoint,
+    and a later prompt that shares the tail and a longer prefix with another hit less than under vLLM
+    (Qwen3.5's layout at 160-token hash units, MTP 2, drop: prompts of 320, a 4162-token sibling, then one
+    sharing 3157 of it: 0 where vLLM hits 160)."""
+    if len(boundaries) > 3 and sizes.drop and reprefillable(sizes) > 0:
+        return ite(boundaries[0] > 0, boundaries[0], boundaries[3])
+    return boundaries[0]
+
+
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
     """The Mamba states a request leaves: vLLM's bookkeeping, one state per Mamba block slot and one partial
     tail per request (vLLM ``MambaManager``).
@@ -471,7 +485,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
     prompt checkpoint is registered as a tail whatever the mask says (``_cache_partial_tail_block``) when a
     caching call's cacheable tokens end exactly there. vLLM 0.33: the checkpoint is
     ``get_mamba_prefill_checkpoint_position`` at the hash unit. ``Replay.RESUME`` (vLLM, patched): the
-    checkpoint is the resend's resume point (``boundaries[0]``), and the scheduler also ends a chunk at
+    checkpoint is the resend's resume point (:func:`resume_tail`), and the scheduler also ends a chunk at
     each retained state (``retained``, :func:`retained_stops`) and at every multiple of the interval (of
     ``max(A, b)`` when dense: ``next_mamba_state_boundary``) up to the extent, so those are states too: the
     ``period``. The reference keeps this bookkeeping too, on a Mamba group read at hash granularity as on
@@ -506,7 +520,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
         points.append(ite(ok, e, NO_STATE))
     drop = sizes.drop and rules.checkpoint_drop
     if resume:
-        tail = boundaries[0]
+        tail = resume_tail(sizes, boundaries)
     else:
         tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
     is_end = False

@@ -97,6 +97,7 @@ from kvhit.refimpl import (
     reference_pass,
     replay_boundaries,
     resume_period,
+    resume_tail,
 )
 
 from kvhit.refimpl.staging import SpecError, stage_hit_tokens
@@ -243,8 +244,9 @@ class WriteModel:
         return tuple(sorted(set(self.resume_points(n_tokens))))
 
     def resend_boundary(self, n_tokens: int) -> int:
-        """Where a resend of the prompt resumes: the reference's Mamba prompt checkpoint."""
-        resend = self.resume_points(n_tokens)[0]
+        """The reference's Mamba prompt checkpoint (``refimpl.resume_tail``): where a resend of the prompt
+        resumes, after its prefill or, if nowhere then, after decoding."""
+        resend = resume_tail(self.sizes, self.resume_points(n_tokens))
         return resend // self.sizes.alignment * self.sizes.alignment
 
     def next_mamba_stop(self, n_tokens: int, start: int, end: int, junction: int = 0) -> int | None:
@@ -270,9 +272,9 @@ class WriteModel:
 
 # Why a layout in drop mode whose every dropping group is a Mamba group is left to vLLM (:func:`_write_side`).
 ONLY_MAMBA_DROPS = "EAGLE drop mode in which only Mamba groups drop"
-# Why a layout with a Mamba group read at hash granularity, in EAGLE drop mode with a multi-module MTP drafter,
-# is left to vLLM (:func:`_write_side`).
-FINE_MAMBA_MTP_DROP = "a Mamba group read at hash granularity, in EAGLE drop mode with multi-module MTP"
+# Why a layout with a Mamba group read at hash granularity that drops (vLLM flags every group when it flags
+# none), in EAGLE drop mode with a multi-module MTP drafter, is left to vLLM (:func:`_write_side`).
+FINE_MAMBA_MTP_DROP = "a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP"
 
 
 def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
@@ -289,13 +291,13 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
         check_retention(sizes, retention)
     except ValueError as e:
         return None, f"the spec's write side rejects it: {e}"
-    if sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes):
-        return None, (f"{FINE_MAMBA_MTP_DROP}: the reference's write side there is not shown never below "
-                      "vLLM's (reference_never_below_vllm fails on concrete streams, e.g. qwen3next_pmu160 "
-                      "with the MTP layers in full attention, dense retention: prompts of 320, a 4162-token "
-                      "sibling, then one sharing 3157 of it hit 0, 0 under the reference, 0, 160 under vLLM), "
-                      "and where the Mamba group drops its caching calls end Lp - 1 tokens before the chunk, "
-                      "so no partial tail is kept at the resend's resume point")
+    if (sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes)
+            and any(sg.kind is Kind.MAMBA and sg.drops for sg in sizes.groups)):
+        return None, (f"{FINE_MAMBA_MTP_DROP}: its caching calls end Lp - 1 tokens "
+                      "before the chunk, so no partial tail is kept at the resend's resume point "
+                      "(scheduler_and_mask_boundaries_agree fails on concrete prompts, e.g. qwen3next_pmu160 "
+                      "with no group flagged EAGLE, dense retention, N = 478: the first repeat hits 0, a "
+                      "cache holding every state 160)")
     dropping = [sg.kind for sg in sizes.groups if sg.drops]
     if dropping and all(kind is Kind.MAMBA for kind in dropping):
         return None, (f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is "

@@ -35,6 +35,7 @@ _EAGLE1_DROP = {"method": "eagle", "model": "llama_eagle_draft", "num_speculativ
                 "disable_lookahead_block_hashes": True}
 _MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
 _MTP1_DROP = {"method": "mtp", "num_speculative_tokens": 1, "disable_lookahead_block_hashes": True}
+_MTP2_DROP = {**_MTP2, "disable_lookahead_block_hashes": True}
 
 
 def catalogue_layers(name: str) -> Callable:
@@ -138,13 +139,13 @@ CASES = {
                   3000, (300, 2600)),
     # Qwen3-Next-like: full attention 1600 (holding the MTP layers) + Mamba 1600, two MTP modules
     "qwen3next-mtp2-drop": Case("qwen3next", "drop", 2, True, SchedulerSetup(
-        "nemotron_h_mtp", {**_MTP2, "disable_lookahead_block_hashes": True}, scheduler_run.nemotron_h_mtp_layers,
+        "nemotron_h_mtp", _MTP2_DROP, scheduler_run.nemotron_h_mtp_layers,
         1600), 4800, (1000, 6500)),
     "qwen3next-mtp2-lookahead": Case("qwen3next", "lookahead", 2, True, SchedulerSetup(
         "nemotron_h_mtp", _MTP2, scheduler_run.nemotron_h_mtp_layers, 1600), 4800, (1000, 6500)),
     # The same read at hash granularity (the catalogue's qwen3next_pmu160: prefix_match_unit 160), and with a
     # sliding window of block 160 beside it (three_kind): Mamba states inside a block are partial tails. One
-    # MTP module in drop mode, two with lookahead hashes (two in drop mode are left to vLLM).
+    # MTP module in drop mode, two in drop mode, two with lookahead hashes.
     "qwen3next_pmu160-mtp1-drop": Case("qwen3next_pmu160", "drop", 1, False, SchedulerSetup(
         "nemotron_h_mtp", _MTP1_DROP, scheduler_run.nemotron_h_mtp_layers, 1600, prefix_match_unit=160),
         4800, (1000, 6500), soak_streams=3),
@@ -157,11 +158,17 @@ CASES = {
     "three_kind-mtp2-lookahead": Case("three_kind", "lookahead", 2, True, SchedulerSetup(
         "nemotron_h_mtp", _MTP2, scheduler_run.nemotron_h_mtp_swa_layers, 1600), 4800, (1000, 6500),
         soak_streams=3),
+    "qwen3next_pmu160-mtp2-drop": Case("qwen3next_pmu160", "drop", 2, True, SchedulerSetup(
+        "nemotron_h_mtp", _MTP2_DROP, scheduler_run.nemotron_h_mtp_layers, 1600, prefix_match_unit=160),
+        4800, (1000, 6500), soak_streams=3),
+    "three_kind-mtp2-drop": Case("three_kind", "drop", 2, True, SchedulerSetup(
+        "nemotron_h_mtp", _MTP2_DROP, scheduler_run.nemotron_h_mtp_swa_layers, 1600), 4800, (1000, 6500),
+        soak_streams=3),
     # The same three with every Mamba layer declaring a backend-internal prefill checkpoint, as vLLM's
     # Mamba-2 layers do (Nemotron-H, Granite 4): the backend saves the prompt's state inside its last chunk,
     # and enforce relies on that only where vLLM's scheduler and Mamba manager both take it
     "qwen3next-mtp2-drop-ckpt": Case("qwen3next", "drop", 2, True, SchedulerSetup(
-        "nemotron_h_mtp", {**_MTP2, "disable_lookahead_block_hashes": True},
+        "nemotron_h_mtp", _MTP2_DROP,
         with_backend_checkpoints(scheduler_run.nemotron_h_mtp_layers), 1600), 4800, (1000, 6500), soak_streams=3),
     "qwen3next_pmu160-mtp1-drop-ckpt": Case("qwen3next_pmu160", "drop", 1, False, SchedulerSetup(
         "nemotron_h_mtp", _MTP1_DROP, with_backend_checkpoints(scheduler_run.nemotron_h_mtp_layers), 1600,

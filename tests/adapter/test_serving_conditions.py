@@ -2,8 +2,8 @@
 
 For every modelled catalogue layout of ``tests.adapter.serving.CASES`` (plain full attention, with an EAGLE
 draft, ``llama_eagle`` at DCP 2, ``gemma``, ``qwen3next`` with two MTP modules in drop and lookahead mode,
-``qwen3next_pmu160`` and ``three_kind`` (Mamba read at hash granularity) with one MTP module in drop mode and
-two in lookahead mode, three of these with backend-internal Mamba prefill checkpoints as vLLM's Mamba-2
+``qwen3next_pmu160`` and ``three_kind`` (Mamba read at hash granularity) with one and two MTP modules in drop
+mode and two in lookahead mode, three of these with backend-internal Mamba prefill checkpoints as vLLM's Mamba-2
 layers declare them, ``dsv4_cuda`` and ``dsv4_report``), token budgets 2048 and 8192 (which cut
 the prefill chunks of these prompts), and four conditions (``serving.CONDITIONS``):
 
@@ -71,6 +71,13 @@ EXPECTED_DIFFERENCES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = 
         "sliding-window block as soon as the window passes it, and the allocations that followed evicted 10400 "
         "and 10560. The first repeat hits 8000 and keeps them again, and the second hits 10880: stock alike. "
         "The write model assumes nothing is evicted."),
+    "three_kind-mtp2-drop/preempting/2048": (
+        (8000, 10880), (8000, 10880),
+        "As with one MTP module: b (11197 tokens) is preempted and resumes; at its first repeat the pool holds "
+        "the Mamba states at 10880 and full attention up to 11040, but of the four sliding-window blocks before "
+        "10880 only 10720 and 10880 (under stock none past 8000): vLLM frees a sliding-window block as soon as "
+        "the window passes it, and the allocations that followed evicted 10400 and 10560. The first repeat hits "
+        "8000 and keeps them again, and the second hits 10880: stock alike."),
 }
 
 

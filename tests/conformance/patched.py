@@ -194,7 +194,10 @@ def _scenario(layout, speculation, retention, n):
 # limit, decoded_tail) and mamba_state_inside_a_block (a Mamba group read at hash granularity: vllm_0_33_repaired
 # keeps vLLM's one partial tail per request, spec.retention.mamba_held). One was the patch's:
 # mamba_partial_tail_within_prefill_lookahead (MambaManager.cache_blocks keys no prompt checkpoint within the
-# prefill lookahead of the prompt end, where no chunk ends and the running state is the whole prompt's).
+# prefill lookahead of the prompt end, where no chunk ends and the running state is the whole prompt's). And one
+# the model and the patch changed together (2026-12-06): short_prompt_tail_where_a_decoded_resend_resumes (with
+# the EAGLE drop and multi-module MTP a short prompt's resend resumes nowhere right after its prefill; its one
+# partial tail goes where it resumes after decoding, spec.retention.resume_tail; the patch before kept none).
 FORMER_DIVERGENCES = {
     "mamba_dense_below_alignment": lambda: _scenario(Layout((Group("full", 64), Group("mamba", 16))),
                                                      Speculation("drop", 1), None, 241),
@@ -205,6 +208,9 @@ FORMER_DIVERGENCES = {
     "mamba_state_inside_a_block": lambda: _scenario("qwen3next_pmu160", Speculation("none"), 0, 4800),
     "mamba_partial_tail_within_prefill_lookahead": lambda: _scenario(
         Layout((Group("mamba", 32), Group("mamba", 128)), dcp=2), Speculation("drop", 2, True), 384, 193),
+    "short_prompt_tail_where_a_decoded_resend_resumes": lambda: _scenario(
+        Layout((Group("full", 1600, eagle=True), Group("mamba", 1600)), prefix_match_unit=160),
+        Speculation("drop", 2, True), None, 320),
 }
 
 
