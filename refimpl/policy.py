@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: f9ecca86d3717d72fd41d6f6aba0fa0d9fa06fc0654f993c30a0e19dfc900bfe
-output-sha256: 2a551a3a86443af09de6fec9741ac0f17e1484080230fc78e7d94146831c3c39
+spec-sha256: 404dca4d7070c42004131e4bd63af23dab89317af20b922a2beca85a2b1ac354
+output-sha256: 33ccc6a59f9dbe4968370d3b5abcb69db38bc65751f374cc81b44965f463e64e
 """
 
 import itertools
@@ -1250,6 +1250,12 @@ def far_sibling(sizes: Sizes, n_tokens):
     """A longer prompt sharing the ``N`` tokens whose own cap and hashes do not bind."""
     return n_tokens + 2 * sizes.scheduler_block + sizes.hash_lookahead + 1
 
+def resumes_after_decoding(sizes: Sizes) -> bool:
+    """Whether a resend after decoding resumes elsewhere than right after the prefill, so that
+    :func:`resume_points` has a fourth point: only where the EAGLE drop and the reprefillable tail of
+    multi-module MTP keep the cacheable tokens short of the prompt."""
+    return sizes.drop and reprefillable(sizes) > 0
+
 def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the read side resumes, with every state retained: a resend, a sibling one token longer, and a
     far sibling (kvhit's reference replay boundaries), on the cache the request leaves when it ends right
@@ -1274,7 +1280,7 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     groups = dense_groups(sizes, n_tokens)
     dense = written_cache(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0], hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0])
-    if sizes.drop and reprefillable(sizes) > 0:
+    if resumes_after_decoding(sizes):
         groups = dense_groups(sizes, n_tokens, True)
         decoded = written_cache(groups) if read is None else read(groups)
         points += (hit_tokens(decoded, sizes, n_tokens, rules)[0],)
@@ -1484,7 +1490,7 @@ def resume_tail(sizes: Sizes, boundaries):
     and a later prompt that shares the tail and a longer prefix with another hit less than under vLLM
     (Qwen3.5's layout at 160-token hash units, MTP 2, drop: prompts of 320, a 4162-token sibling, then one
     sharing 3157 of it: 0 where vLLM hits 160)."""
-    if len(boundaries) > 3 and sizes.drop and (reprefillable(sizes) > 0):
+    if resumes_after_decoding(sizes):
         return boundaries[0] if boundaries[0] > 0 else boundaries[3]
     return boundaries[0]
 

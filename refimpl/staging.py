@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: f9ecca86d3717d72fd41d6f6aba0fa0d9fa06fc0654f993c30a0e19dfc900bfe
+spec-sha256: 404dca4d7070c42004131e4bd63af23dab89317af20b922a2beca85a2b1ac354
 output-sha256: 2d8dbc5eeefa38e92042e1536e4e99477fa664e65e7f5028a6a886a120282f7f
 """
 

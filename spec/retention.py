@@ -215,6 +215,13 @@ def far_sibling(sizes: Sizes, n_tokens):
     return n_tokens + 2 * sizes.scheduler_block + sizes.hash_lookahead + 1
 
 
+def resumes_after_decoding(sizes: Sizes) -> bool:
+    """Whether a resend after decoding resumes elsewhere than right after the prefill, so that
+    :func:`resume_points` has a fourth point: only where the EAGLE drop and the reprefillable tail of
+    multi-module MTP keep the cacheable tokens short of the prompt."""
+    return sizes.drop and reprefillable(sizes) > 0
+
+
 def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """Where the read side resumes, with every state retained: a resend, a sibling one token longer, and a
     far sibling (kvhit's reference replay boundaries), on the cache the request leaves when it ends right
@@ -240,7 +247,7 @@ def resume_points(sizes: Sizes, n_tokens, rules: Rules, read=None):
     dense = written(groups) if read is None else read(groups)
     points = (hit_tokens(dense, sizes, n_tokens, rules)[0], hit_tokens(dense, sizes, n_tokens + 1, rules)[0],
               hit_tokens(dense, sizes, far_sibling(sizes, n_tokens), rules)[0])
-    if sizes.drop and reprefillable(sizes) > 0:
+    if resumes_after_decoding(sizes):
         groups = dense_groups(sizes, n_tokens, True)
         decoded = written(groups) if read is None else read(groups)
         points += (hit_tokens(decoded, sizes, n_tokens, rules)[0],)
@@ -470,7 +477,7 @@ def resume_tail(sizes: Sizes, boundaries):
     and a later prompt that shares the tail and a longer prefix with another hit less than under vLLM
     (Qwen3.5's layout at 160-token hash units, MTP 2, drop: prompts of 320, a 4162-token sibling, then one
     sharing 3157 of it: 0 where vLLM hits 160)."""
-    if len(boundaries) > 3 and sizes.drop and reprefillable(sizes) > 0:
+    if resumes_after_decoding(sizes):
         return ite(boundaries[0] > 0, boundaries[0], boundaries[3])
     return boundaries[0]
 
