@@ -212,12 +212,11 @@ class ReferenceCheck:
         self.unlike_reference = 0
 
     def __call__(self, block_hashes, max_cache_hit_length: int, hit: int) -> None:
-        want = self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1,
-                          self.R.CacheState(self.pool_oracle(block_hashes)), self.policy)
+        pool = self.R.CacheState(self.pool_oracle(block_hashes))  # one oracle: each boundary asked once
+        want = self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1, pool, self.policy)
         if self.policy != "reference":  # the comparison is not the reference's under another name
             self.unlike_reference += hit != self.R.hit(self.layout, self.speculation, max_cache_hit_length + 1,
-                                                       self.R.CacheState(self.pool_oracle(block_hashes)),
-                                                       "reference")
+                                                       pool, "reference")
         if want != hit:
             retained = serving.pool_boundaries(self.scheduler, block_hashes)
             self.mismatches.append(f"N={max_cache_hit_length + 1} hit={hit} {self.policy}={want} pool={retained}")

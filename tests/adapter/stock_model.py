@@ -28,11 +28,10 @@ from __future__ import annotations
 import dataclasses
 
 from kvhit.refimpl import CacheState, derive_sizes, hit_tokens, policy_rules, request_writes, written_cache
-from kvhit.refimpl.policy import (NO_JUNCTION, Kind, cacheable_tokens, clip, group_extents, group_serves,
-                                  num_hashes)
+from kvhit.refimpl.policy import NO_JUNCTION, Kind, cacheable_tokens, clip
 
 from tests.adapter import scheduler_run, serving
-from tests.conformance.budget_side import tail_span
+from tests.conformance.budget_side import retained_differences, tail_span
 
 RULES = policy_rules("vllm_0_33")
 
@@ -88,7 +87,7 @@ def chunk_end_explains(sizes, k, x, ends) -> bool:
     return any(e - span < x <= e or (sg.kind is Kind.FULL and x <= cacheable_tokens(sizes, k, e)) for e in ends)
 
 
-def _pool_cache(sizes, lookup) -> list[set[int]]:
+def pool_cache(sizes, lookup) -> list[set[int]]:
     """Per spec group, the boundaries the pool held in every member KV-cache group at ``lookup``."""
     return [set.intersection(*(set(lookup["pool"][m]) for m in sg.members)) for sg in sizes.groups]
 
@@ -117,14 +116,14 @@ def compare(run: dict, case_name: str, condition: str, rules=RULES, write_side: 
     for rid, s in served.items():
         n = s["prompt_len"]
         for lookup in s["lookups"]:
-            cache = CacheState.from_sets(_pool_cache(sizes, lookup))
+            cache = CacheState.from_sets(pool_cache(sizes, lookup))
             size = lookup["max_cache_hit_length"] + 1  # the tokens looked up: the prompt, or more on resuming
             hit, _, longest, _ = hit_tokens(cache, sizes, size, rules)
             junction = longest if longest > hit else 0
             got = (lookup["hit"], lookup["shared_prefix_boundary"])
             assert got == (hit, junction), (
                 f"{where}: {rid}'s lookup #{lookup['seq']} of {size} tokens: vLLM (hit, junction) {got}, "
-                f"{rules.name}'s read side on the pool {(hit, junction)}; pool {_pool_cache(sizes, lookup)}")
+                f"{rules.name}'s read side on the pool {(hit, junction)}; pool {pool_cache(sizes, lookup)}")
             stats.lookups += 1
             stats.junctions += junction > 0
         if not write_side:
@@ -152,7 +151,6 @@ def _compare_writes(sizes, interval, where, rid, tokens, attempts, ends, lookup,
     """The pool at ``lookup`` (``rid``'s) against the writes of ``attempts``, ``(request, the lookup that
     admitted it)`` in order: every boundary held beyond them lies in a chunk end's tail, and, if ``whole``,
     every multiple of ``A`` they serve the pool serves."""
-    h, L, A = sizes.hash_block, sizes.hash_lookahead, sizes.alignment
     layers = [[] for _ in sizes.groups]
     seen: set = set()
     for q, done in sorted(attempts, key=lambda a: a[1]["seq"]):
@@ -165,25 +163,19 @@ def _compare_writes(sizes, interval, where, rid, tokens, attempts, ends, lookup,
         for k, g in enumerate(writes):
             layers[k].append(clip(sizes, g, shared))
     model = written_cache(tuple(tuple(layer) for layer in layers))
-    pool = _pool_cache(sizes, lookup)
-    vllm = CacheState.from_sets(pool)
-    covered = num_hashes(sizes, n) * h
-    model_extents, vllm_extents = group_extents(model, sizes, covered), group_extents(vllm, sizes, covered)
     tails = [e for q in {q for q, _ in attempts} for e in ends.get(q, ())]
-    for k, sg in enumerate(sizes.groups):
-        lost = [x for x in range(A, n, A) if whole and x <= covered
-                and group_serves(model, sizes, k, x, model_extents[k], covered, rules)
-                and not group_serves(vllm, sizes, k, x, vllm_extents[k], covered, rules)]
+    held = pool_cache(sizes, lookup)
+    differences = retained_differences(sizes, model, held, n, lambda k, x: chunk_end_explains(sizes, k, x, tails),
+                                       rules, lost=whole)
+    for k, (want, have, lost, unexplained) in enumerate(differences):
+        sg = sizes.groups[k]
         assert not lost, (f"{where}: at {rid}'s lookup, spec group {k} ({sg.kind.value} {sg.block}) no longer "
                           f"serves {lost}, which the model's write side serves (attempts before: "
                           f"{[(q, a['hit']) for q, a in attempts]})")
-        want = {x for x in range(h, n - L + 1, h) if model.has(k, x)}
-        have = {x for x in pool[k] if x <= n - L}
-        unexplained = sorted(x for x in have - want if not chunk_end_explains(sizes, k, x, tails))
         assert not unexplained, (
             f"{where}: at {rid}'s lookup, spec group {k} ({sg.kind.value} {sg.block}) holds {unexplained}, which "
-            f"neither the model's write side nor a chunk end explains; pool {sorted(have)}, model "
-            f"{sorted(want)}, chunk ends {sorted(tails)}")
-        stats.extra_boundaries += len(have - want)
+            f"neither the model's write side nor a chunk end explains; pool {have}, model {want}, chunk ends "
+            f"{sorted(tails)}")
+        stats.extra_boundaries += len(set(have) - set(want))
     stats.write_checks += whole
     stats.bounded_checks += not whole

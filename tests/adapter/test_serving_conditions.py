@@ -133,8 +133,8 @@ def _reference_on_pool(result, run, lookup) -> int:
     layout = serving.planned_layout(result["runs"][run])
     speculation = serving.speculation_of(_case(run))
     sizes = R.derive_sizes(layout, speculation)
-    cache = [set.intersection(*(set(lookup["pool"][m]) for m in sg.members)) for sg in sizes.groups]
-    return R.hit(layout, speculation, lookup["max_cache_hit_length"] + 1, cache, "reference")
+    return R.hit(layout, speculation, lookup["max_cache_hit_length"] + 1, stock_model.pool_cache(sizes, lookup),
+                 "reference")
 
 
 def _steady(run, n) -> int:

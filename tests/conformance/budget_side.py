@@ -88,6 +88,27 @@ def tail_span(sg) -> int:
     return sg.block
 
 
+def retained_differences(sizes, model, held, n: int, explains, rules, lost: bool = True) -> list[tuple]:
+    """Per spec group ``k``, for a prompt of ``n`` tokens, the model's cache ``model`` against the boundary
+    sets ``held`` vLLM's pool holds (per spec group, in every member): ``(want, have, lost, unexplained)``,
+    the boundaries ``x <= N - L`` each holds (sorted lists), the multiples of ``A`` below ``N`` the group
+    serves on the model's cache and not on vLLM's (none unless ``lost``), and the boundaries vLLM holds beyond
+    the model that ``explains(k, x)`` does not account for."""
+    vllm = CacheState.from_sets(held)
+    covered = num_hashes(sizes, n) * sizes.hash_block
+    model_extents, vllm_extents = group_extents(model, sizes, covered), group_extents(vllm, sizes, covered)
+    out = []
+    for k in range(len(sizes.groups)):
+        want = model_retained(sizes, model, k, n)
+        missing = [x for x in range(sizes.alignment, n, sizes.alignment) if lost
+                   and group_serves(model, sizes, k, x, model_extents[k], covered, rules)
+                   and not group_serves(vllm, sizes, k, x, vllm_extents[k], covered, rules)]
+        have = [x for x in sorted(held[k]) if x <= n - sizes.hash_lookahead]
+        unexplained = [x for x in sorted(set(have) - set(want)) if not explains(k, x)]
+        out.append((want, have, missing, unexplained))
+    return out
+
+
 def run_budgeted_scenario(scenario: WriteScenario, budget: int, stats: BudgetStats = BUDGET_STATS,
                           rules=POLICY) -> list:
     """Serve ``scenario`` on vLLM with ``max_num_batched_tokens = budget`` and compare (module docstring).
@@ -150,20 +171,17 @@ def _run(scenario: WriteScenario, budget: int, stats: BudgetStats, rules) -> lis
     ends = _chunk_ends(first["hit"], first["chunks"], n)
     model = written_cache(request_writes(sizes, n, R, rules))
     held = cache_state(harness, sizes, tokens)  # per spec group, in every member
-    vllm = CacheState.from_sets(held)
-    covered = num_hashes(sizes, n) * h
-    model_extents, vllm_extents = group_extents(model, sizes, covered), group_extents(vllm, sizes, covered)
-    for k, sg in enumerate(sizes.groups):
-        want = model_retained(sizes, model, k, n)
-        lost = [x for x in range(sizes.alignment, n, sizes.alignment)
-                if group_serves(model, sizes, k, x, model_extents[k], covered, rules)
-                and not group_serves(vllm, sizes, k, x, vllm_extents[k], covered, rules)]
+
+    def explains(k, x):
+        span = tail_span(sizes.groups[k])
+        return any(e - span < x <= e for e in ends)
+
+    for k, (want, have, lost, unexplained) in enumerate(retained_differences(sizes, model, held, n, explains,
+                                                                              rules)):
+        sg = sizes.groups[k]
         if lost:
             fail(f"spec group {k} ({sg.kind.value} {sg.block}) no longer serves {lost}, which the model's cache "
                  f"serves; chunk ends {ends}", runs(sorted(held[k]), h), runs(want, h))
-        have = [x for x in sorted(held[k]) if x <= n - L]
-        span = tail_span(sg)
-        unexplained = [x for x in sorted(set(have) - set(want)) if not any(e - span < x <= e for e in ends)]
         if unexplained:
             fail(f"spec group {k} ({sg.kind.value} {sg.block}) keeps boundaries no chunk end explains: "
                  f"{unexplained}; chunk ends {ends}", runs(have, h), runs(want, h))
