@@ -9,7 +9,7 @@ What a written cache holds is defined once, in ``spec/cache.py``: :func:`kvhit.s
 every request, setting and policy. :class:`WrittenCache` is the same state (spec group ``k`` holds what the
 :class:`refimpl.Held` ``groups[k]`` says; one layer per group) and finds the first boundary a query misses
 by jumping over the stretches a ``Held`` says are held whole: every block up to the extent (full
-attention, chunked local, a Mamba group that keeps every state, a sliding window that keeps every block), a
+attention, chunked local past its gaps, a Mamba group that keeps every state, a sliding window that keeps every block), a
 sliding-window tail, a periodic tail; ``last_held`` takes the highest of a group's points and of its
 lattice (the boundaries it holds up to its extent). Where it jumps it relies on ``holds``'s conditions
 for that stretch (each place says which); everything else (single points, partial tails, states between
@@ -60,6 +60,10 @@ class WrittenCache(CacheState):
             whole = False
         elif g.kind is Kind.MAMBA:
             whole = unit % g.unit == 0 and (g.every or (g.period > 0 and unit % g.period == 0))
+        elif g.kind is Kind.CHUNKED:
+            # refimpl.holds_block: every block inside the extent but those in a gap (the write side's one
+            # gap, the blocks its lookup skipped, ends below a held block)
+            whole = g.every and unit % g.block == 0 and all(lo >= hi or hi <= j * unit for lo, hi in g.gaps)
         else:
             whole = unit % g.block == 0
         last = g.extent // unit  # boundaries (i + 1) * unit <= extent have i < last
@@ -110,7 +114,7 @@ class WrittenCache(CacheState):
     def last_held(self, k, step, lo, hi, unit, before, after):
         """``CacheState.last_held`` without asking every candidate.
 
-        A single boundary of a group of single boundaries (full attention, chunked local, Mamba) read at a
+        A single boundary of a group of single boundaries (full attention, Mamba) read at a
         unit that divides the step: a candidate ``x`` is itself the boundary asked about, so the answer is
         the highest of the held points and of the highest multiple of the step on the group's lattice (the
         boundaries it holds up to its extent) inside ``(lo, hi]``. Otherwise the scan, except that a
@@ -121,7 +125,7 @@ class WrittenCache(CacheState):
         top = hi // step * step
         if top <= lo or top <= 0:
             return 0  # the scan asks nothing
-        if before == 1 and after == 0 and g.kind is not Kind.SWA and step % unit == 0:
+        if before == 1 and after == 0 and g.kind in (Kind.FULL, Kind.MAMBA) and step % unit == 0:
             self._seen(top)  # the scan's first question
             best = 0
             for p in g.points:

@@ -94,10 +94,10 @@ def retention_intervals(sizes):
 
 
 # The write side's default run: the Qwen3-Next report's layout with every retention interval, a sliding
-# window (Gemma) and an EAGLE sliding window at vLLM's default retention 0. Writing and then reading three
-# times makes a check several times costlier than a read-side one; `--extended` covers every layout with
-# a sliding-window or Mamba group with every interval.
-CORE_WRITE = {"qwen3next": (None, 0, 2), "gemma": (0,), "full64_swa64w200_eagle": (0,)}
+# window (Gemma), an EAGLE sliding window and chunked local attention at vLLM's default retention 0. Writing
+# and then reading three times makes a check several times costlier than a read-side one; `--extended`
+# covers every layout with a sliding-window, Mamba or chunked-local group with every interval.
+CORE_WRITE = {"qwen3next": (None, 0, 2), "gemma": (0,), "full64_swa64w200_eagle": (0,), "chunked64": (0,)}
 
 
 def write_configs(extended: bool = False):
@@ -110,7 +110,7 @@ def write_configs(extended: bool = False):
     for layout in layouts(extended):
         if layout.name in HEAVY and not extended:
             continue
-        if not any(g.kind in (Kind.SWA, Kind.MAMBA) for g in layout.groups):
+        if not any(g.kind in (Kind.SWA, Kind.MAMBA, Kind.CHUNKED) for g in layout.groups):
             continue
         if not extended and (layout.name not in CORE_WRITE or layout.dcp > 1):
             continue

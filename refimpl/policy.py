@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 404dca4d7070c42004131e4bd63af23dab89317af20b922a2beca85a2b1ac354
-output-sha256: 33ccc6a59f9dbe4968370d3b5abcb69db38bc65751f374cc81b44965f463e64e
+spec-sha256: 405af28078c3149805783221142eec48716569dd59ab25d11ac8d6e2e7795ab2
+output-sha256: 5f8d94010e0603edf71aba47c838941232dc99bb7e175cc9be7ae7d75ff47136
 """
 
 import itertools
@@ -472,9 +472,9 @@ class Held:
         shift: sliding window: blocks a tail reaches past its boundary (1 when the group drops).
         period: tokens between periodic tails (sliding window) or states (Mamba); 0 for none. Periodic
             sliding-window tails end at ``shift * block + m * period`` for ``m >= 1``.
-        gaps: sliding window: ``(lo, hi)`` token ranges (multiples of the block; empty when ``lo >= hi``)
-            whose blocks are not held whatever the rest says: blocks freed before any caching call
-            covered them.
+        gaps: sliding window, chunked local: ``(lo, hi)`` token ranges (multiples of the block; empty
+            when ``lo >= hi``) whose blocks are not held whatever the rest says: blocks freed before any
+            caching call covered them (sliding window), or never computed (chunked local: ``(0, hi)``).
     """
     kind: Kind
     block: int
@@ -493,7 +493,8 @@ def live_gaps(gaps):
     return tuple(((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and (lo >= hi))))
 
 def holds_block(g: Held, j):
-    """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
+    """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window or chunked-local group is kept
+    (Python only)."""
     if (j + 1) * g.block > g.extent:
         return False
     for lo, hi in g.gaps:
@@ -513,7 +514,7 @@ def holds(g: Held, x):
     """Whether a group holds the hash of the block ending at token ``x`` (Python only)."""
     if x <= 0:
         return False
-    if g.kind is Kind.SWA:
+    if g.kind in (Kind.SWA, Kind.CHUNKED):
         return x % g.block == 0 and holds_block(g, x // g.block - 1)
     if x in g.points:
         return True
@@ -808,13 +809,18 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules)
     top = max_length // sg.block * sg.block
     return (cache.last_held(k, step=a, lo=0, hi=top, unit=sg.block, before=1, after=0), top)
 
+def skipped_blocks(sg, max_length):
+    """The blocks a chunked-local lookup at ``M`` counts as computed without reading them: those before the
+    chunk that holds ``M`` (vLLM ``local_attention_start_idx // block_size``; null blocks, never computed)."""
+    return (max_length // sg.chunk * sg.chunk if max_length > 0 else 0) // sg.block
+
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
     ``M`` count as computed; then the run of cached blocks from that chunk's first block up to ``M // b``.
     Reads without checking the hashes."""
     sg = sizes.groups[k]
     b = sg.block
-    start = (max_length // sg.chunk * sg.chunk if max_length > 0 else 0) // b
+    start = skipped_blocks(sg, max_length)
     end = max_length // b
     run = cache.run_from(k, start=start, unit=b, limit=end)
     reach = min(start + run + 1, end) * b if start < end else 0
@@ -846,9 +852,9 @@ def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 
 def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
     """Where vLLM's coordinators start: ``M`` (:func:`max_cache_hit_length`), with ``cap_at_hashes`` at
-    most ``|H| * h``."""
+    most ``|H| * h``; the reference's cap (:func:`reference_hit_tokens`) is always within the hashes."""
     m = max_cache_hit_length(n_tokens, rules)
-    if rules.cap_at_hashes:
+    if rules.cap_at_hashes or rules.declarative:
         return min(m, hash_reach(sizes, n_tokens))
     return m
 
@@ -1046,7 +1052,7 @@ def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     makes is bounded by the hashes (its runs by ``covered // b``, its windows by ``x + unit <= covered``),
     but the reach is not measured."""
     covered = hash_reach(sizes, n_tokens)
-    cap = min(max_cache_hit_length(n_tokens, rules), covered)
+    cap = max_length_within_hashes(sizes, n_tokens, rules)
     extents = group_extents(cache, sizes, covered)
     hit = reference_pass(cache, sizes, cap, extents, covered, rules)
     if sizes.unitary or not rules.record_junction:
@@ -1112,8 +1118,6 @@ def check_retention(sizes: Sizes, interval):
     """
     if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0 or (interval % sizes.scheduler_block != 0)):
         raise ValueError(f'retention interval {interval!r} must be None, 0 or a positive multiple of the scheduler block {sizes.scheduler_block}')
-    if any((sg.kind is Kind.CHUNKED for sg in sizes.groups)):
-        raise ValueError('the write side does not model chunked local attention (its blocks before the current chunk are never cached)')
     sparse_kinds = [sg for sg in sizes.groups if sg.kind in (Kind.SWA, Kind.MAMBA)]
     if interval != 0 and (not sparse_kinds):
         raise ValueError(f'retention interval {interval!r} needs a sliding-window or Mamba group; this layout has none, so use 0 (vLLM raises the same)')
@@ -1576,12 +1580,25 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             out.append(held)
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules, retained))
+        elif sg.kind is Kind.CHUNKED:
+            out.append(chunked_local_held(sizes, k, n_tokens, rules))
         else:
             points = ()
             if sg.kind is Kind.FULL:
                 points = partial_tails(sizes, k, n_tokens)
             out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k), extent=group_extent(sizes, k, n_tokens), every=True, points=points))
     return tuple(out)
+
+def chunked_local_held(sizes: Sizes, k, n_tokens, rules: Rules):
+    """What chunked-local group ``k`` (the layout's one group: the spec models it alone) holds of the prompt:
+    every block up to its extent but those its lookup counted as computed without reading them (vLLM
+    ``ChunkedLocalAttentionManager``: null blocks before the chunk holding the lookup's bound ``M``, never
+    computed nor cached; its mask caches every other block). Every hit of that lookup lies in that chunk,
+    the blocks between its start and the hit are the cached ones the hit found, so what the request leaves
+    does not depend on its hit: a gap ``[0, skipped)``, the rest held."""
+    sg = sizes.groups[k]
+    skipped = skipped_blocks(sg, max_length_within_hashes(sizes, n_tokens, rules)) * sg.block
+    return Held(kind=Kind.CHUNKED, block=sg.block, unit=sg.block, extent=group_extent(sizes, k, n_tokens), every=True, gaps=((0, skipped),))
 
 def merge(old, new):
     """The cache after a later request with the same prompt wrote ``new`` on top of ``old``.

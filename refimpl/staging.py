@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 404dca4d7070c42004131e4bd63af23dab89317af20b922a2beca85a2b1ac354
-output-sha256: 2d8dbc5eeefa38e92042e1536e4e99477fa664e65e7f5028a6a886a120282f7f
+spec-sha256: 405af28078c3149805783221142eec48716569dd59ab25d11ac8d6e2e7795ab2
+output-sha256: 17d4257cb76d5c0c12b73bad554ccb927be25d428db6ddbc86331e790169896a
 """
 
 from __future__ import annotations
@@ -864,13 +864,18 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules)
     top = max_length // sg.block * sg.block
     return (cache.last_held(k, step=a, lo=0, hi=top, unit=sg.block, before=1, after=0), top)
 
+def skipped_blocks(sg, max_length):
+    """The blocks a chunked-local lookup at ``M`` counts as computed without reading them: those before the
+    chunk that holds ``M`` (vLLM ``local_attention_start_idx // block_size``; null blocks, never computed)."""
+    return ite(max_length > 0, floor_to(max_length, sg.chunk), 0) // sg.block
+
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
     ``M`` count as computed; then the run of cached blocks from that chunk's first block up to ``M // b``.
     Reads without checking the hashes."""
     sg = sizes.groups[k]
     b = sg.block
-    start = ite(max_length > 0, floor_to(max_length, sg.chunk), 0) // b
+    start = skipped_blocks(sg, max_length)
     end = max_length // b
     run = cache.run_from(k, start=start, unit=b, limit=end)
     reach = ite(start < end, min_(start + run + 1, end) * b, 0)
@@ -902,9 +907,9 @@ def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 
 def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
     """Where vLLM's coordinators start: ``M`` (:func:`max_cache_hit_length`), with ``cap_at_hashes`` at
-    most ``|H| * h``."""
+    most ``|H| * h``; the reference's cap (:func:`reference_hit_tokens`) is always within the hashes."""
     m = max_cache_hit_length(n_tokens, rules)
-    if rules.cap_at_hashes:
+    if rules.cap_at_hashes or rules.declarative:
         return min_(m, hash_reach(sizes, n_tokens))
     return m
 
@@ -1085,7 +1090,7 @@ def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     makes is bounded by the hashes (its runs by ``covered // b``, its windows by ``x + unit <= covered``),
     but the reach is not measured."""
     covered = hash_reach(sizes, n_tokens)
-    cap = min_(max_cache_hit_length(n_tokens, rules), covered)
+    cap = max_length_within_hashes(sizes, n_tokens, rules)
     extents = group_extents(cache, sizes, covered)
     hit = reference_pass(cache, sizes, cap, extents, covered, rules)
     if sizes.unitary or not rules.record_junction:

@@ -99,9 +99,9 @@ class Held:
         shift: sliding window: blocks a tail reaches past its boundary (1 when the group drops).
         period: tokens between periodic tails (sliding window) or states (Mamba); 0 for none. Periodic
             sliding-window tails end at ``shift * block + m * period`` for ``m >= 1``.
-        gaps: sliding window: ``(lo, hi)`` token ranges (multiples of the block; empty when ``lo >= hi``)
-            whose blocks are not held whatever the rest says: blocks freed before any caching call
-            covered them.
+        gaps: sliding window, chunked local: ``(lo, hi)`` token ranges (multiples of the block; empty
+            when ``lo >= hi``) whose blocks are not held whatever the rest says: blocks freed before any
+            caching call covered them (sliding window), or never computed (chunked local: ``(0, hi)``).
     """
 
     kind: Kind
@@ -123,7 +123,8 @@ def live_gaps(gaps):
 
 
 def holds_block(g: Held, j):
-    """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window group is kept (Python only)."""
+    """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window or chunked-local group is kept
+    (Python only)."""
     if (j + 1) * g.block > g.extent:
         return False
     for lo, hi in g.gaps:
@@ -144,7 +145,7 @@ def holds(g: Held, x):
     """Whether a group holds the hash of the block ending at token ``x`` (Python only)."""
     if x <= 0:
         return False
-    if g.kind is Kind.SWA:
+    if g.kind in (Kind.SWA, Kind.CHUNKED):
         return x % g.block == 0 and holds_block(g, x // g.block - 1)
     if x in g.points:
         return True

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from .cache import layers, live_gaps, scan_last_held
 from .domain import Kind
 from . import runtime
-from .terms import Lowering, SpecError, Term, _zv, and_, cdiv, eq, installed, is_symbolic, ite, max_, min_
+from .terms import (Lowering, SpecError, Term, _zv, and_, cdiv, eq, floor_to, installed, is_symbolic, ite, max_,
+                    min_, or_)
 
 
 def _z3():
@@ -685,6 +686,11 @@ class SymbolicWrittenCache:
     def window(self, k, x, unit, before, after):
         """Blocks ``[max(0, x // unit - before), x // unit + after)`` are held (see
         :meth:`kvhit.spec.cache.CacheState.window`)."""
+        if self._chunked(k) and not isinstance(x, ScanVar):
+            # a chunked-local window reaches back to its chunk's start: a length that depends on x
+            i = x // unit
+            first = max_(0, i - before)
+            return or_(i + after <= first, self._chunked_reach(k, first * unit) >= (i + after) * unit)
         if is_symbolic(before) or is_symbolic(after):
             raise SpecError("window lengths must be concrete")
         intervals = self._intervals(k, unit, before, after)
@@ -712,6 +718,10 @@ class SymbolicWrittenCache:
 
     def run_from(self, k, start, unit, limit):
         """Consecutive held blocks from block ``start``, stopping at block ``limit``."""
+        if self._chunked(k):
+            if unit != self.layers[k][0].block:
+                raise SpecError(f"run of unit {unit} over group {k}")
+            return max_(0, min_(self._chunked_reach(k, start * unit) // unit, limit) - start)
         if len(self.layers[k]) > 1:
             return self._layered_run_from(k, start, unit, limit)
         g = self.layers[k][0]
@@ -743,6 +753,31 @@ class SymbolicWrittenCache:
     def last_held(self, k, step, lo, hi, unit, before, after):
         """:meth:`kvhit.spec.cache.CacheState.last_held`: the same scan, lowered."""
         return scan_last_held(self, k, step, lo, hi, unit, before, after)
+
+    # -- chunked local attention: each layer holds one range of blocks ------------------------------
+    def _chunked(self, k) -> bool:
+        return self.layers[k][0].kind is Kind.CHUNKED
+
+    def _chunked_reach(self, k, first):
+        """Where the run of held blocks from token ``first`` (a multiple of the block) ends, in a
+        chunked-local group: each layer holds the blocks from the end of its gaps at block 0 (the blocks its
+        request's lookup skipped) up to its extent, one range; the union's run from ``first`` grows by a
+        layer whose range holds the block at the run's end, to that range's end, and each layer can do so
+        once, so as many steps as layers reach it."""
+        ranges = []
+        for h in self.layers[k]:
+            lo = 0
+            for g_lo, g_hi in live_gaps(h.gaps):
+                if not (isinstance(g_lo, int) and g_lo <= 0):
+                    raise SpecError(f"spec group {k}: a chunked-local gap must start at block 0, not {g_lo!r}")
+                lo = max_(lo, g_hi)
+            ranges.append((lo, floor_to(h.extent, h.block)))
+        b = self.layers[k][0].block
+        reach = first
+        for _ in ranges:
+            for lo, hi in ranges:
+                reach = ite(and_(lo <= reach, hi >= reach + b), max_(reach, hi), reach)
+        return reach
 
     @staticmethod
     def _before_gaps(g, reach):
@@ -782,6 +817,9 @@ class SymbolicWrittenCache:
             for period in sorted({h.period for h in ls if not h.every and h.period > 0}):
                 out.append((period, _max_all(h.extent for h in ls if not h.every and h.period == period), period, 0))
             return out
+        if g.kind is Kind.CHUNKED and any(live_gaps(h.gaps) for h in ls):
+            raise SpecError(f"spec group {k}: a chunked-local window over the scan variable in several layers "
+                            "with gaps is not supported")
         if g.kind is not Kind.SWA or all(h.every for h in ls):
             # each layer holds every block up to its extent: the union is the longest of those prefixes
             extent = _max_all(h.extent for h in ls)

@@ -315,13 +315,19 @@ def mamba_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules)
     return cache.last_held(k, step=a, lo=0, hi=top, unit=sg.block, before=1, after=0), top
 
 
+def skipped_blocks(sg, max_length):
+    """The blocks a chunked-local lookup at ``M`` counts as computed without reading them: those before the
+    chunk that holds ``M`` (vLLM ``local_attention_start_idx // block_size``; null blocks, never computed)."""
+    return ite(max_length > 0, floor_to(max_length, sg.chunk), 0) // sg.block
+
+
 def chunked_local_lookup(cache, sizes: Sizes, k, hashes, max_length, drop, rules: Rules):
     """vLLM: ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds
     ``M`` count as computed; then the run of cached blocks from that chunk's first block up to ``M // b``.
     Reads without checking the hashes."""
     sg = sizes.groups[k]
     b = sg.block
-    start = ite(max_length > 0, floor_to(max_length, sg.chunk), 0) // b
+    start = skipped_blocks(sg, max_length)
     end = max_length // b
     run = cache.run_from(k, start=start, unit=b, limit=end)
     reach = ite(start < end, min_(start + run + 1, end) * b, 0)
@@ -361,9 +367,9 @@ def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
 
 def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
     """Where vLLM's coordinators start: ``M`` (:func:`max_cache_hit_length`), with ``cap_at_hashes`` at
-    most ``|H| * h``."""
+    most ``|H| * h``; the reference's cap (:func:`reference_hit_tokens`) is always within the hashes."""
     m = max_cache_hit_length(n_tokens, rules)
-    if rules.cap_at_hashes:
+    if rules.cap_at_hashes or rules.declarative:
         return min_(m, hash_reach(sizes, n_tokens))
     return m
 
@@ -587,7 +593,7 @@ def reference_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     makes is bounded by the hashes (its runs by ``covered // b``, its windows by ``x + unit <= covered``),
     but the reach is not measured."""
     covered = hash_reach(sizes, n_tokens)
-    cap = min_(max_cache_hit_length(n_tokens, rules), covered)
+    cap = max_length_within_hashes(sizes, n_tokens, rules)
     extents = group_extents(cache, sizes, covered)
     hit = reference_pass(cache, sizes, cap, extents, covered, rules)
     if sizes.unitary or not rules.record_junction:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from .cache import Held, live_gaps, written
 from .domain import Kind
-from .policy import Junction, Replay, Rules, check_speculation, hit_tokens
+from .policy import Junction, Replay, Rules, check_speculation, hit_tokens, max_length_within_hashes, skipped_blocks
 from .sizes import Sizes, hash_reach
 from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_
 
@@ -56,9 +56,6 @@ def check_retention(sizes: Sizes, interval):
                                  or interval % sizes.scheduler_block != 0):
         raise ValueError(f"retention interval {interval!r} must be None, 0 or a positive multiple of the "
                          f"scheduler block {sizes.scheduler_block}")
-    if any(sg.kind is Kind.CHUNKED for sg in sizes.groups):
-        raise ValueError("the write side does not model chunked local attention (its blocks before the "
-                         "current chunk are never cached)")
     sparse_kinds = [sg for sg in sizes.groups if sg.kind in (Kind.SWA, Kind.MAMBA)]
     if interval != 0 and not sparse_kinds:
         raise ValueError(f"retention interval {interval!r} needs a sliding-window or Mamba group; this "
@@ -575,6 +572,8 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             out.append(held)
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules, retained))
+        elif sg.kind is Kind.CHUNKED:
+            out.append(chunked_local_held(sizes, k, n_tokens, rules))
         else:
             points = ()
             if sg.kind is Kind.FULL:
@@ -582,6 +581,19 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k),
                             extent=group_extent(sizes, k, n_tokens), every=True, points=points))
     return tuple(out)
+
+
+def chunked_local_held(sizes: Sizes, k, n_tokens, rules: Rules):
+    """What chunked-local group ``k`` (the layout's one group: the spec models it alone) holds of the prompt:
+    every block up to its extent but those its lookup counted as computed without reading them (vLLM
+    ``ChunkedLocalAttentionManager``: null blocks before the chunk holding the lookup's bound ``M``, never
+    computed nor cached; its mask caches every other block). Every hit of that lookup lies in that chunk,
+    the blocks between its start and the hit are the cached ones the hit found, so what the request leaves
+    does not depend on its hit: a gap ``[0, skipped)``, the rest held."""
+    sg = sizes.groups[k]
+    skipped = skipped_blocks(sg, max_length_within_hashes(sizes, n_tokens, rules)) * sg.block
+    return Held(kind=Kind.CHUNKED, block=sg.block, unit=sg.block, extent=group_extent(sizes, k, n_tokens),
+                every=True, gaps=((0, skipped),))
 
 
 def merge(old, new):

@@ -30,6 +30,8 @@ def _compact(t):
 def _held(g):
     if g["all_up_to"] is not None:
         text = f"every {g['grid']}-token boundary up to {g['all_up_to']}"
+        if g["all_from"]:
+            text = f"every {g['grid']}-token boundary past {g['all_from']} up to {g['all_up_to']}"
         if g["boundaries"]:
             text += " and " + runs(g["boundaries"], g["grid"])
         return text

@@ -11,17 +11,20 @@ REPEATS = 3  # repeats of the prompt after the first request: second_repeat_is_s
 
 def retained(groups, k):
     """What spec group ``k`` of the written cache ``groups`` (``refimpl.Held`` per spec group) holds, read
-    from the refimpl's ``written_cache``: every boundary up to ``all_up_to`` at the group's grid when it
-    keeps every one, and the single boundaries (positions > 0) it holds besides."""
+    from the refimpl's ``written_cache``: every boundary past ``all_from`` up to ``all_up_to`` at the group's
+    grid when it keeps every one (``all_from``: the blocks a chunked-local lookup skipped, else 0), and the
+    single boundaries (positions > 0) it holds besides."""
     g = groups[k]
     cache = refimpl.written_cache(groups)
-    grid = g.block if g.kind in (Kind.FULL, Kind.SWA) else g.unit
+    grid = g.block if g.kind in (Kind.FULL, Kind.SWA, Kind.CHUNKED) else g.unit
     singles = {p for p in g.points if p > 0}
     if not g.every:
         singles |= set(range(grid, g.extent + 1, grid))
     kept = sorted(x for x in singles if (not g.every or x > g.extent or x % grid) and cache.has(k, x))
-    out = {"group": k, "kind": g.kind.value, "extent": g.extent, "all_up_to": g.extent if g.every else None,
-           "grid": grid, "boundaries": kept, "retained_states": refimpl.retained_states(g)}
+    skipped = max([hi for lo, hi in g.gaps if lo <= 0 < hi] + [0]) if g.kind is Kind.CHUNKED else 0
+    out = {"group": k, "kind": g.kind.value, "extent": g.extent, "all_from": skipped if g.every else 0,
+           "all_up_to": g.extent if g.every else None, "grid": grid, "boundaries": kept,
+           "retained_states": refimpl.retained_states(g)}
     if g.kind is Kind.SWA:
         out["tails"] = {"need": g.need, "shift": g.shift, "period": g.period,
                         "ends": sorted({e for e in g.ends if e > 0})}

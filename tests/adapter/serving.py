@@ -91,6 +91,7 @@ class Case:
         suffix: ``(lo, hi)``, the lengths of what follows it.
         soak_streams: streams the soak runs through one scheduler of this case (0: not soaked).
         soak_requests: ``(lo, hi)``, the requests of one soak stream.
+        preempts: whether the preempting streams can preempt on this layout (see :func:`conditions_of`).
     """
 
     catalogue: str
@@ -102,6 +103,7 @@ class Case:
     suffix: tuple[int, int]
     soak_streams: int = 6
     soak_requests: tuple[int, int] = (6, 14)
+    preempts: bool = True
 
     @property
     def largest_block(self) -> int:
@@ -137,6 +139,12 @@ CASES = {
     # Gemma-like: full attention 64 + sliding window 32 (window 512)
     "gemma": Case("gemma", "none", 0, False, SchedulerSetup("llama", None, catalogue_layers("gemma"), 32),
                   3000, (300, 2600)),
+    # Llama-4-like chunked local attention, alone (block 16, chunk 64): every hit lies in the chunk of N - 1
+    # vLLM frees a chunked-local group's blocks before the current chunk, so its smallest pool (one request of
+    # the model length: a chunk and a budget) holds both requests of the preempting stream at their peak:
+    # served on it, nothing is preempted (measured), and the case runs the concurrent streams only.
+    "chunked64": Case("chunked64", "none", 0, False, SchedulerSetup("llama", None, catalogue_layers("chunked64"),
+                                                                    16), 3000, (300, 2600), preempts=False),
     # Qwen3-Next-like: full attention 1600 (holding the MTP layers) + Mamba 1600, two MTP modules
     "qwen3next-mtp2-drop": Case("qwen3next", "drop", 2, True, SchedulerSetup(
         "nemotron_h_mtp", _MTP2_DROP, scheduler_run.nemotron_h_mtp_layers,
@@ -274,7 +282,7 @@ def lookup_problems(coordinator, hash_block: int, block_hashes: Sequence, max_ca
     holds the state at ``hit`` exactly); with a zero hit, no blocks.
     """
     from vllm.v1.core.kv_cache_utils import get_group_id, make_block_hash_with_group_id
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     try:
         from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
@@ -573,6 +581,12 @@ CONDITIONS = {"concurrent": (concurrent_stream, None, False), "preempting": (pre
               "preempting-async": (preempting_stream, "preempt", True)}
 
 
+def conditions_of(case_name: str) -> tuple[str, ...]:
+    """The conditions case ``case_name`` is served under: every one, but the preempting streams where they
+    cannot preempt (:attr:`Case.preempts`)."""
+    return tuple(c for c in CONDITIONS if CASES[case_name].preempts or CONDITIONS[c][1] != "preempt")
+
+
 def budgets(condition: str) -> tuple[int, ...]:
     """The token budgets ``condition`` is served with."""
     return (8192,) if CONDITIONS[condition][2] else BUDGETS
@@ -610,7 +624,7 @@ def run_condition(case_name: str, condition: str, budget: int, models_dir: str) 
 
 def describe_groups(scheduler) -> list[dict]:
     """The planner's KV-cache groups in plain data (what ``planned_layout`` reads)."""
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     try:
         from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
@@ -620,9 +634,11 @@ def describe_groups(scheduler) -> list[dict]:
     for g in scheduler.kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
         kind = ("mamba" if isinstance(spec, MambaSpec) else
-                "swa" if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)) else "full")
+                "swa" if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)) else
+                "chunked" if isinstance(spec, ChunkedLocalAttentionSpec) else "full")
         groups.append({"spec": type(spec).__name__, "kind": kind, "block_size": spec.block_size,
                        "window": getattr(spec, "sliding_window", None) if kind == "swa" else None,
+                       "chunk": spec.attention_chunk_size if kind == "chunked" else None,
                        "dcp_sharded": spec.dcp_sharded, "eagle": g.is_eagle_group,
                        "tokens_per_state": int(getattr(spec, "tokens_per_state", 1) or 1)
                        if kind != "mamba" else 1, "num_layers": len(g.layer_names)})
@@ -633,7 +649,7 @@ def planned_layout(run: dict):
     """The ``refimpl.Layout`` of the groups vLLM's planner made (``run["kv_cache_groups"]``)."""
     import kvhit.refimpl as R
 
-    groups = tuple(R.Group(g["kind"], g["block_size"], window=g["window"],
+    groups = tuple(R.Group(g["kind"], g["block_size"], window=g["window"], chunk=g.get("chunk"),
                            dcp_sharded=g["dcp_sharded"] if g["kind"] != "mamba" else None, eagle=g["eagle"],
                            tokens_per_state=g["tokens_per_state"]) for g in run["kv_cache_groups"])
     return R.Layout(groups, dcp=run["scheduler"]["dcp"], prefix_match_unit=run["scheduler"]["prefix_match_unit"])
@@ -677,7 +693,7 @@ def main(argv=None) -> None:
     scheduler_run.write_models(args.models_dir)
     result = {"runs": {}}
     for case_name in args.case or CASES:
-        for condition in args.condition or CONDITIONS:
+        for condition in args.condition or conditions_of(case_name):
             for budget in args.budget or budgets(condition):
                 result["runs"][f"{case_name}/{condition}/{budget}"] = run_condition(
                     case_name, condition, budget, args.models_dir)

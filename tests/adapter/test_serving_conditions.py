@@ -39,7 +39,7 @@ from kvhit.spec.catalogue import CATALOGUE
 from tests.adapter import child_runs, scheduler_run, serving, stock_model
 
 MODES = ("stock", "off", "shadow", "enforce")
-RUNS = [f"{case}/{condition}/{budget}" for case in serving.CASES for condition in serving.CONDITIONS
+RUNS = [f"{case}/{condition}/{budget}" for case in serving.CASES for condition in serving.conditions_of(case)
         for budget in serving.budgets(condition)]
 # condition -> the prompt whose first and second repeat are compared
 REPEATED = {"concurrent": "a", "preempting": "b", "concurrent-async": "a", "preempting-async": "b"}

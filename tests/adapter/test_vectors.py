@@ -2,9 +2,8 @@
 pool is seeded with the vector's cache state and the enforced lookup must give the reference hit.
 
 Among them are the states where vLLM 0.33.0 itself goes wrong: the Unitary drop losing a safe block (F2)
-and lookups reading past the request's hashes, which raise ``IndexError`` in vLLM (F1). On chunked local
-attention, whose write side the spec does not model, the adapter leaves the layout to vLLM: there the
-lookup must be vLLM's own.
+and lookups reading past the request's hashes, which raise ``IndexError`` in vLLM (F1), chunked local
+attention's included.
 """
 
 from __future__ import annotations
@@ -82,12 +81,6 @@ def test_enforce_gives_the_reference_hit_on_every_pinned_counterexample_state(pa
             return f"IndexError: {e}"
 
     stock = lookup(original)
-    if engine._models[coordinator] is None:
-        # Chunked local attention: the spec does not model its write side, so the adapter leaves the whole
-        # layout to vLLM, and the lookup is vLLM's own, a wrong hit or an IndexError included.
-        assert any(g.kind is R.Kind.CHUNKED for g in layout.groups), path.stem
-        assert lookup(type(coordinator).find_longest_cache_hit) == stock != expected, path.stem
-        return
     fallbacks = engine.ENFORCE_FALLBACKS.labels(engine._models[coordinator].label)  # the process's counter
     before = fallbacks._value.get()
     blocks, hit, _ = coordinator.find_longest_cache_hit(hashes, n - 1)

@@ -2,8 +2,8 @@
 
 Enforce promises that the first repeat of a prompt hits what the second does, and never less than stock; the
 reference read side on vLLM's write side promises neither. So where the spec does not model a layout's write
-side (a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP; chunked
-local attention; EAGLE drop mode in which only Mamba groups drop; a retention interval its write side rejects), or
+side (a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP; EAGLE drop
+mode in which only Mamba groups drop; a retention interval its write side rejects), or
 the scheduler's config adds what the spec does not model (a KV connector; auxiliary outputs, which cap lookups
 below ``N - 1``), the coordinator is unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``,
 and reported in the status file. Shadow does the same, so that its counters say what enforce does.
@@ -181,6 +181,18 @@ def test_drop_mode_in_which_only_mamba_groups_drop_leaves_the_layout_stock(monke
     _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 144, engine.ONLY_MAMBA_DROPS)
 
 
+def test_chunked_local_attention_beside_full_attention_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
+    """Llama 4 as vLLM 0.33 plans it (``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` defaults to 1, and
+    without EAGLE the hybrid manager stays on): full attention and chunked local attention, one block size. The
+    spec models chunked local attention alone (``chunked64``, enforced); beside another group it is not
+    modelled, read side included, so the layout is left to vLLM."""
+    layout = {"name": "llama4_like", "dcp": 1, "prefix_match_unit": None,
+              "groups": [{"kind": "full", "block_size": 16, "dcp_sharded": True, "eagle": False},
+                         {"kind": "chunked", "block_size": 16, "dcp_sharded": True, "eagle": False, "chunk": 64}]}
+    harness = lambda: VllmHarness(layout, "none", retention_interval=0, max_model_len=3000)
+    _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 1000, "chunked local attention in a hybrid layout")
+
+
 @pytest.mark.parametrize("mode", ["none", "lookahead"])
 def test_the_same_mamba_group_without_the_drop_is_enforced(mode):
     """The control: the reason is the drop, not the layout."""
@@ -188,11 +200,6 @@ def test_the_same_mamba_group_without_the_drop_is_enforced(mode):
     harness = VllmHarness(harness_layout(_mamba16()), mode, retention_interval=0, max_model_len=600)
     model = engine._models[harness.manager.coordinator]
     assert model is not None and model.write is not None
-
-
-def test_chunked_local_attention_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
-    _left_stock(monkeypatch, tmp_path, kvhit_log, _catalogue_harness("chunked64", "lookahead", n=1000), 1000,
-                "chunked local attention")
 
 
 def test_backend_internal_mamba_checkpoints_are_enforced():
@@ -211,8 +218,8 @@ def test_backend_internal_mamba_checkpoints_are_enforced():
 
 def test_a_retention_interval_the_write_side_rejects_has_no_write_model():
     """vLLM 0.33 validates the interval as the spec does (a multiple of the scheduler block, other than 0
-    only with a sliding-window or Mamba group), so only chunked local attention reaches this reason; an
-    interval the spec rejects on a coordinator vLLM did not validate is refused all the same."""
+    only with a sliding-window or Mamba group), so no layout vLLM builds reaches this reason; an interval the
+    spec rejects on a coordinator vLLM did not validate is refused all the same."""
     sizes = R.derive_sizes(refimpl_layout("qwen3next"), speculation("drop"))
     coordinator = types.SimpleNamespace(retention_interval=sizes.scheduler_block + 1,
                                         kv_cache_config=types.SimpleNamespace(kv_cache_groups=[]))

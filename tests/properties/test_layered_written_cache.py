@@ -41,7 +41,7 @@ def _symbolic(held, constraints):
         return t
 
     return replace(held, extent=var(held.extent), points=tuple(var(p) for p in held.points),
-                   ends=tuple(var(t) for t in held.ends))
+                   ends=tuple(var(t) for t in held.ends), gaps=tuple((lo, var(hi)) for lo, hi in held.gaps))
 
 
 def _windows(g):
@@ -89,9 +89,9 @@ def layered_groups(draw):
     (-1), tails cut at an extent, layers that keep every block mixed with ones that keep tails, periodic
     tails. Positions are multiples of the block (of the unit for Mamba states), as the write side makes
     them; full attention's points lie inside a block (partial tails)."""
-    kind = draw(st.sampled_from([Kind.SWA, Kind.SWA, Kind.FULL, Kind.MAMBA]))
+    kind = draw(st.sampled_from([Kind.SWA, Kind.SWA, Kind.FULL, Kind.MAMBA, Kind.CHUNKED]))
     block = draw(st.sampled_from([4, 8, 16]))
-    unit = block if kind is Kind.SWA else draw(st.sampled_from([block, block // 2]))
+    unit = block if kind in (Kind.SWA, Kind.CHUNKED) else draw(st.sampled_from([block, block // 2]))
     need = draw(st.integers(1, 5))
     shift = draw(st.integers(0, 1))
     period = 0
@@ -102,19 +102,21 @@ def layered_groups(draw):
     span = st.integers(0, 30)
     out = []
     for _ in range(draw(st.integers(1, 3))):
-        every = draw(st.sampled_from([False, False, False, True])) if kind is not Kind.FULL else True
-        ends = points = ()
+        every = draw(st.sampled_from([False, False, False, True])) if kind in (Kind.SWA, Kind.MAMBA) else True
+        ends = points = gaps = ()
         if kind is Kind.SWA:
             ends = tuple(draw(st.lists(st.integers(-1, 34).map(lambda j: -1 if j < 0 else j * block), max_size=4)))
         elif kind is Kind.MAMBA:
             points = tuple(draw(st.lists(span.map(lambda j: j * unit), max_size=3)))
+        elif kind is Kind.CHUNKED:  # the blocks its lookup skipped: a gap from block 0, empty or not
+            gaps = ((0, draw(st.integers(-1, 30)) * block),)
         else:
             inside = st.builds(lambda j, r: j * block + r, st.integers(0, 29), st.integers(1, block - 1))
             points = tuple(draw(st.lists(inside, max_size=2)))
         scale = unit if kind is Kind.MAMBA else block
         layer_period = draw(st.sampled_from([0, period])) if kind is Kind.SWA else period
         out.append(Held(kind=kind, block=block, unit=unit, extent=draw(span) * scale, every=every, points=points,
-                        ends=ends, need=need, shift=shift, period=layer_period))
+                        ends=ends, need=need, shift=shift, period=layer_period, gaps=gaps))
     return tuple(out)
 
 
@@ -147,12 +149,27 @@ def middle_piece_groups(draw):
     return tuple(draw(st.permutations(out)))
 
 
+@st.composite
+def chunked_chains(draw):
+    """A chunked-local group of 2-3 layers whose held ranges chain (each starts inside the one before it
+    and reaches past it), in an order the reader must not rely on: a run through them needs a step per
+    layer (uniform draws rarely make one)."""
+    block = draw(st.sampled_from([4, 8, 16]))
+    lo, hi, ranges = 0, draw(st.integers(1, 6)), []
+    for _ in range(draw(st.integers(2, 3))):
+        ranges.append((lo, hi))
+        lo, hi = draw(st.integers(lo, hi)), hi + draw(st.integers(1, 6))
+    out = [Held(kind=Kind.CHUNKED, block=block, unit=block, extent=e * block, every=True, gaps=((0, s * block),))
+           for s, e in ranges]
+    return tuple(draw(st.permutations(out)))
+
+
 # Which reader the random comparisons use; a one-off run with TwoPieceChains here shows them failing.
 READER = SymbolicWrittenCache
 
 
 @settings(max_examples=250, deadline=None)
-@given(group=layered_groups() | middle_piece_groups(), data=st.data())
+@given(group=layered_groups() | middle_piece_groups() | chunked_chains(), data=st.data())
 def test_layered_written_cache_matches_plain_loops(group, data):
     """On a hand-made layered group: the read side's two windows and one more of any length, at every end
     up to past the extents; runs; and ``last_held`` scans over those windows (the closed form over the
@@ -165,14 +182,29 @@ def test_layered_written_cache_matches_plain_loops(group, data):
         cache = READER((tuple(_symbolic(h, constraints) for h in group),))
         ends = list(range(g.unit, 36 * g.block, g.unit)) + [g.unit * 5 + 1]
         runs = [(0, g.block, 40)] if g.kind is not Kind.MAMBA else []
-        if g.kind is Kind.FULL:
+        if g.kind in (Kind.FULL, Kind.CHUNKED):
             runs += [(3, g.block, 40), (1, g.block, top // g.block)]
+        if g.kind is Kind.CHUNKED:  # a lookup's run starts at its chunk
+            runs += [(data.draw(st.integers(0, 32), label="run start"), g.block, top // g.block)]
         windows = _windows(g)
         windows = windows[-2:] + [data.draw(st.sampled_from(windows), label="another window")]
         scans = [(times * unit, data.draw(st.sampled_from([0, 2 * g.block]), label="lo"), top, unit, before, after)
                  for unit, before, after in windows for times in (1, 3)]
+        if g.kind is Kind.CHUNKED:
+            scans = []  # no lookup scans a chunked-local group (its window's length depends on its end)
         asked = _ask(cache, 0, windows, ends, runs, scans)
-    _check(asked, written_cache((group,)), _fixed(constraints), group)
+        if g.kind is Kind.CHUNKED:  # the reference's window: from the chunk's first block to the end
+            chunk = data.draw(st.sampled_from([g.block, 2 * g.block, 4 * g.block]), label="chunk")
+            x = fresh_int("x")
+            serves = cache.window(0, x, g.block, x % chunk // g.block, 0)
+    loops = written_cache((group,))
+    _check(asked, loops, _fixed(constraints), group)
+    if g.kind is Kind.CHUNKED:
+        for end in ends:
+            if end % g.block == 0:
+                at = Term(z3.substitute(_zv(serves), (x.z, z3.IntVal(end))))
+                want = loops.window(0, end, g.block, end % chunk // g.block, 0)
+                assert _fixed(constraints)(at) == want, (end, chunk, group)
 
 
 def _layer_settings():

@@ -148,9 +148,7 @@ def test_a_shorter_cached_prefix_is_served_as_refimpl_says():
     assert report["policies"][0]["hit"] == 12800
 
 
-# chunked local attention has no write side (refused: test_bad_settings_are_refused_with_the_problem_named)
-@pytest.mark.parametrize("name, mode, k, mtp, n, cache", [(*c, cache) for c in CASES for cache in ("written", "dense")
-                                                          if not (cache == "written" and c[0] == "chunked64")])
+@pytest.mark.parametrize("name, mode, k, mtp, n, cache", [(*c, cache) for c in CASES for cache in ("written", "dense")])
 def test_json_output_follows_the_documented_schema(name, mode, k, mtp, n, cache, capsys):
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     args = ["explain", name, str(n), "--speculative", mode, "--compare", "--json", "--cache", cache]
@@ -207,7 +205,6 @@ def test_layout_file_round_trips_and_explains_like_the_catalogue(tmp_path, capsy
      "retention interval 100 must be None, 0 or a positive multiple of the scheduler block 16384"),
     (["full16", "100", "--retention-interval", "16"], "retention interval 16 needs a sliding-window or Mamba group"),
     (["full16", "100", "--retention-interval", "none"], "retention interval None needs a sliding-window or Mamba"),
-    (["chunked64", "300"], "the write side does not model chunked local attention"),
     (["qwen3next", "100", "--cache", "dense", "--cached", "1,2,3"], "the layout has 2 spec groups"),
     (["qwen3next", "100", "--cache", "written", "--cached", "50"], "use it with --cache dense"),
     (["qwen3next", "100", "--sibling", "100"], "the sibling must be longer than the prompt (100 tokens)"),

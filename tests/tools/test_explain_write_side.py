@@ -25,6 +25,7 @@ CASES = [  # (layout, mode, k, multi-module MTP, N, retention intervals in sched
     ("gemma", "drop", 1, False, 704, (None, 0, 1)), ("gemma", "lookahead", 2, True, 577, (0,)),
     ("three_kind", "drop", 1, False, 20000, (0, 2)), ("full16", "drop", 1, False, 1024, (0,)),
     ("llama_eagle", "lookahead", 3, True, 777, (0,)), ("dsv4_cuda", "drop", 1, False, 5000, (0,)),
+    ("chunked64", "lookahead", 1, False, 300, (0,)),
 ]
 WRITTEN = [(name, mode, k, mtp, n, r) for name, mode, k, mtp, n, rs in CASES for r in rs]
 
@@ -73,7 +74,7 @@ def test_written_cache_report_is_what_refimpl_request_writes_and_repeat_give(nam
             held = _held_positions(first, j, n + sizes.scheduler_block)
             shown = set(g["boundaries"])
             if g["all_up_to"] is not None:
-                shown |= set(range(g["grid"], g["all_up_to"] + 1, g["grid"]))
+                shown |= set(range(g["all_from"] + g["grid"], g["all_up_to"] + 1, g["grid"]))
             assert shown == held, f"{side['policy']} group {j}"
             assert g["retained_states"] == refimpl.retained_states(first[j])
         assert side["retained_states"] == sum(refimpl.retained_states(h) for h in first

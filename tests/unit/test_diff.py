@@ -74,6 +74,13 @@ def test_a_reported_difference_is_what_both_engines_hit(capsys, tmp_path):
     rows = [r for r in _printed(capsys, "vllm_0_33", "vllm_0_33_repaired", "--layout", "full16", "--mode", "drop")
             + _printed(capsys, "vllm_0_33", "vllm_0_33_repaired", "--layout", "chunked64", "--mode", "lookahead")
             if not r["identical"]]
+    # chunked64's write side differs too, at the first repeat: N = 65, L = 2, the hashes cover 48; vLLM's
+    # lookup counts the 64 tokens before its bound's chunk as computed (F1, a hit past the hashes), the
+    # repaired one is capped at 48 and finds the first request's blocks up to 48
+    repeats = [r for r in rows if r["side"] != "read"]
+    assert [(r["layout"], r["side"], r["N"], r["hits"]) for r in repeats] == [
+        ("chunked64", "first repeat", 65, {"vllm_0_33": 64, "vllm_0_33_repaired": 48})]
+    rows = [r for r in rows if r["side"] == "read"]
     assert [r["layout"] for r in rows] == ["full16"] * 4 + ["chunked64"]
     assert rows[-1]["reads_past_hashes"] == ["vllm_0_33"]
     cores = (patch_core(tmp_path / "stock", patches=()), patch_core(tmp_path / "patched"))
