@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 405af28078c3149805783221142eec48716569dd59ab25d11ac8d6e2e7795ab2
-output-sha256: 5f8d94010e0603edf71aba47c838941232dc99bb7e175cc9be7ae7d75ff47136
+spec-sha256: 7776302d87ba0a55316151758c6946346d860c801ff9c2da3cf0a01f2cb98007
+output-sha256: 3f149da9375864a5f6dac0e71061dbf12c79a2c560d530354e64077f254b36c0
 """
 
 import itertools
@@ -491,6 +491,14 @@ class Held:
 def live_gaps(gaps):
     """``gaps`` without the ones known to be empty before any prompt is chosen (concrete ``lo >= hi``)."""
     return tuple(((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and (lo >= hi))))
+
+def held_from(g: Held):
+    """Where a chunked-local group's held blocks start, in tokens: the end of its gaps, each of which starts at
+    block 0 (the blocks its request's lookup counted as computed without reading them)."""
+    start = 0
+    for _, hi in live_gaps(g.gaps):
+        start = max(start, hi)
+    return start
 
 def holds_block(g: Held, j):
     """Whether block ``j`` (of ``g.block`` tokens) of a sliding-window or chunked-local group is kept

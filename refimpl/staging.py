@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 405af28078c3149805783221142eec48716569dd59ab25d11ac8d6e2e7795ab2
+spec-sha256: 7776302d87ba0a55316151758c6946346d860c801ff9c2da3cf0a01f2cb98007
 output-sha256: 17d4257cb76d5c0c12b73bad554ccb927be25d428db6ddbc86331e790169896a
 """
 

@@ -17,7 +17,7 @@ its tails and points (:class:`kvhit.spec.lower_z3.SymbolicWrittenCache`). What s
 from dataclasses import dataclass
 
 from .domain import Kind
-from .terms import active, and_, max_aligned
+from .terms import active, and_, max_, max_aligned
 
 
 class CacheState:
@@ -120,6 +120,15 @@ class Held:
 def live_gaps(gaps):
     """``gaps`` without the ones known to be empty before any prompt is chosen (concrete ``lo >= hi``)."""
     return tuple((lo, hi) for lo, hi in gaps if not (isinstance(lo, int) and isinstance(hi, int) and lo >= hi))
+
+
+def held_from(g: Held):
+    """Where a chunked-local group's held blocks start, in tokens: the end of its gaps, each of which starts at
+    block 0 (the blocks its request's lookup counted as computed without reading them)."""
+    start = 0
+    for _, hi in live_gaps(g.gaps):
+        start = max_(start, hi)
+    return start
 
 
 def holds_block(g: Held, j):

@@ -22,7 +22,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .cache import layers, live_gaps, scan_last_held
+from .cache import held_from, layers, live_gaps, scan_last_held
 from .domain import Kind
 from . import runtime
 from .terms import (Lowering, SpecError, Term, _zv, and_, cdiv, eq, floor_to, installed, is_symbolic, ite, max_,
@@ -766,12 +766,10 @@ class SymbolicWrittenCache:
         once, so as many steps as layers reach it."""
         ranges = []
         for h in self.layers[k]:
-            lo = 0
-            for g_lo, g_hi in live_gaps(h.gaps):
+            for g_lo, _ in live_gaps(h.gaps):
                 if not (isinstance(g_lo, int) and g_lo <= 0):
                     raise SpecError(f"spec group {k}: a chunked-local gap must start at block 0, not {g_lo!r}")
-                lo = max_(lo, g_hi)
-            ranges.append((lo, floor_to(h.extent, h.block)))
+            ranges.append((held_from(h), floor_to(h.extent, h.block)))
         b = self.layers[k][0].block
         reach = first
         for _ in ranges:

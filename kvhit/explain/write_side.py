@@ -21,8 +21,8 @@ def retained(groups, k):
     if not g.every:
         singles |= set(range(grid, g.extent + 1, grid))
     kept = sorted(x for x in singles if (not g.every or x > g.extent or x % grid) and cache.has(k, x))
-    skipped = max([hi for lo, hi in g.gaps if lo <= 0 < hi] + [0]) if g.kind is Kind.CHUNKED else 0
-    out = {"group": k, "kind": g.kind.value, "extent": g.extent, "all_from": skipped if g.every else 0,
+    out = {"group": k, "kind": g.kind.value, "extent": g.extent,
+           "all_from": refimpl.held_from(g) if g.kind is Kind.CHUNKED and g.every else 0,
            "all_up_to": g.extent if g.every else None, "grid": grid, "boundaries": kept,
            "retained_states": refimpl.retained_states(g)}
     if g.kind is Kind.SWA:

@@ -282,7 +282,7 @@ def lookup_problems(coordinator, hash_block: int, block_hashes: Sequence, max_ca
     holds the state at ``hit`` exactly); with a zero hit, no blocks.
     """
     from vllm.v1.core.kv_cache_utils import get_group_id, make_block_hash_with_group_id
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     try:
         from vllm.v1.kv_cache_interface import SlidingWindowMLASpec

@@ -29,7 +29,6 @@ from .write_side import WRITE_STATS, WriteScenario, run_write_scenario
 SCENARIOS = int(os.environ.get("KVHIT_WRITE_SCENARIOS", "2000"))
 
 
-
 def _has_mode(name: str, dcp: int, mode: str) -> bool:
     """Whether the spec accepts some speculative setting of ``mode`` on the layout (chunked local attention
     has no drop mode: vLLM asserts it away)."""

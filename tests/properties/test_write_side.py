@@ -24,10 +24,10 @@ write_speculations = st.sampled_from(WRITE_SPECULATIONS)
 
 @st.composite
 def write_settings(draw):
-    """A layout with a sliding-window, Mamba or chunked-local group, a speculative setting and a retention
-    interval the spec accepts."""
+    """A layout with a sliding-window or Mamba group, a speculative setting and a retention interval the
+    spec accepts."""
     layout = draw(layouts())
-    assume(any(g.kind in ("swa", "mamba", "chunked") for g in layout.groups))
+    assume(any(g.kind in ("swa", "mamba") for g in layout.groups))
     speculation = draw(write_speculations)
     try:
         sizes = refimpl.derive_sizes(layout, speculation)
