@@ -279,10 +279,12 @@ def lookup_problems(coordinator, hash_block: int, block_hashes: Sequence, max_ca
     state at ``x`` only when keyed there exactly. The groups' blocks serve the hit: full attention returns
     ``cdiv(hit, b)`` blocks, none null; a sliding window returns ``hit / b`` blocks whose last
     ``cdiv(W - 1, b)`` are not null; Mamba returns ``cdiv(hit, b)`` blocks whose last is not null (and so
-    holds the state at ``hit`` exactly); with a zero hit, no blocks.
+    holds the state at ``hit`` exactly); chunked local attention (chunk ``C``) returns ``cdiv(hit, b)`` blocks,
+    none null from the start of the hit's chunk, ``floor(hit / C) * C``, on (a request resuming at ``hit``
+    attends to its own chunk only, so a hit on a chunk boundary needs no block); with a zero hit, no blocks.
     """
     from vllm.v1.core.kv_cache_utils import get_group_id, make_block_hash_with_group_id
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     try:
         from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
@@ -326,6 +328,12 @@ def lookup_problems(coordinator, hash_block: int, block_hashes: Sequence, max_ca
                         or any(covered[i] is None for i in tail)):
                 problems.append(f"group {g}: the sliding window before {hit} is not all cached "
                                 f"({len(covered)} blocks, window tail {[covered[i] for i in tail]})")
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            chunk_start = hit // spec.attention_chunk_size * spec.attention_chunk_size
+            if len(covered) != need or None in covered[chunk_start // b:]:
+                problems.append(f"group {g}: chunked local attention returned {len(covered)} blocks covering "
+                                f"{covered[chunk_start // b:][-3:]} of its chunk from {chunk_start} for hit "
+                                f"{hit} (block {b})")
         elif len(covered) != need or None in covered:
             problems.append(f"group {g}: full attention returned {len(covered)} blocks covering "
                             f"{covered[-3:]} for hit {hit} (block {b})")

@@ -29,7 +29,7 @@ from .write_side import WRITE_STATS, WriteScenario, run_write_scenario
 SCENARIOS = int(os.environ.get("KVHIT_WRITE_SCENARIOS", "2000"))
 
 
-def _has_mode(name: str, dcp: int, mode: str) -> bool:
+def has_mode(name: str, dcp: int, mode: str) -> bool:
     """Whether the spec accepts some speculative setting of ``mode`` on the layout (chunked local attention
     has no drop mode: vLLM asserts it away)."""
     layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
@@ -44,7 +44,7 @@ def _has_mode(name: str, dcp: int, mode: str) -> bool:
 
 
 CASES = [(name, dcp, mode) for name in sorted(CATALOGUE) for dcp in CATALOGUE_DCP.get(name, (1,)) for mode in MODES
-         if _has_mode(name, dcp, mode)]
+         if has_mode(name, dcp, mode)]
 RANDOM_SHARE = 0.3
 _weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
 PER_CASE = {case: max(1, round(SCENARIOS * (1 - RANDOM_SHARE) * w / sum(_weights)))
