@@ -94,10 +94,12 @@ def retention_intervals(sizes):
 
 
 # The write side's default run: the Qwen3-Next report's layout with every retention interval, a sliding
-# window (Gemma), an EAGLE sliding window and chunked local attention at vLLM's default retention 0. Writing
-# and then reading three times makes a check several times costlier than a read-side one; `--extended`
-# covers every layout with a sliding-window, Mamba or chunked-local group with every interval.
-CORE_WRITE = {"qwen3next": (None, 0, 2), "gemma": (0,), "full64_swa64w200_eagle": (0,), "chunked64": (0,)}
+# window (Gemma), an EAGLE sliding window and chunked local attention (alone and beside full attention, as
+# in Llama 4) at vLLM's default retention 0. Writing and then reading three times makes a check several
+# times costlier than a read-side one; `--extended` covers every layout with a sliding-window, Mamba or
+# chunked-local group with every interval.
+CORE_WRITE = {"qwen3next": (None, 0, 2), "gemma": (0,), "full64_swa64w200_eagle": (0,), "chunked64": (0,),
+              "llama4": (0,)}
 
 
 def write_configs(extended: bool = False):

@@ -232,7 +232,8 @@ def _has_sparse_group(config):
 def _chunked_local(config):
     """Chunked local attention: the dominance claim is checked whole there (9-30 M units a configuration), as
     its composition cannot be: with lookahead hashes vllm_0_33's hit is not capped at the hashes (F1), so
-    two of its lemmas fail."""
+    two of its lemmas fail (beside full attention, in Llama 4, there is no lookahead, and the whole check
+    costs 20 M units)."""
     return any(g.kind == Kind.CHUNKED for g in config.layout.groups)
 
 

@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 7776302d87ba0a55316151758c6946346d860c801ff9c2da3cf0a01f2cb98007
-output-sha256: 3f149da9375864a5f6dac0e71061dbf12c79a2c560d530354e64077f254b36c0
+spec-sha256: 86fab4ecdf2d638344ede00e40c54121146df5d7896a6673a01fe750d512b5b2
+output-sha256: 2f027451a34f60606de9dc6b707a7413c4b9c56d99ff484ed88da84a0ccdebb7
 """
 
 import itertools
@@ -160,8 +160,11 @@ class Layout:
             sharded = g.dcp_sharded and self.dcp > 1
             if sharded and g.kind in (Kind.SWA, Kind.CHUNKED):
                 raise ValueError(f'group {i}: DCP {self.dcp} with a sharded {g.kind.value} group is not supported (vLLM asserts DCP == 1 in its sliding-window and chunked-local lookups); mark the group replicated (dcp_sharded=False) or use DCP 1')
-            if hybrid and g.kind is Kind.CHUNKED:
-                raise ValueError(f'group {i}: chunked local attention in a hybrid layout is not modelled by the spec')
+        chunked = {(g.block_size, g.chunk) for g in groups if g.kind is Kind.CHUNKED}
+        if hybrid and chunked:
+            others = sorted({g.kind.value for g in groups if g.kind not in (Kind.FULL, Kind.CHUNKED)})
+            if others or len(chunked) > 1:
+                raise ValueError('chunked local attention beside ' + (f"groups of kind {' and '.join(others)}" if others else 'another chunked-local spec') + ' is not modelled by the spec (it models chunked local attention alone or beside full-attention groups)')
 
 @dataclass(frozen=True)
 class Speculation:
@@ -353,6 +356,12 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
         margin = h if partial and fine_grained_capable(kind) and (b > h) else b
         groups.append(SpecGroup(kind=kind, block=b, window=window, chunk=chunk, members=members, drops=drops, margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
+    chunked = [sg for sg in groups if sg.kind is Kind.CHUNKED]
+    if chunked and (not unitary):
+        if speculation.mode is not Mode.NONE:
+            raise ValueError('EAGLE-family speculation with chunked local attention beside other groups is not a layout vLLM builds (it turns its hybrid KV-cache manager off for chunked local attention with EAGLE or MTP, and every layer becomes full attention)')
+        if chunked[0].block != alignment:
+            raise ValueError(f'chunked-local block {chunked[0].block} differs from the hit alignment {alignment} (vLLM asserts they are equal)')
     for sg in groups:
         if sg.drops and sg.kind is Kind.CHUNKED:
             raise ValueError('EAGLE drop with chunked local attention is not supported (vLLM asserts drop_eagle_block is False for chunked local attention)')
@@ -1009,15 +1018,28 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
     Full-attention groups are downward-closed, so their extents bound the scan from above before any
-    candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
+    candidate is tried. A chunked-local group (alone, or beside full attention only: the spec models no
+    other layout with one) keeps vLLM's lookup up to that bound, which is already the longest: every point
+    of the bound's chunk up to the lookup's hit is served (its blocks from the chunk start are cached), the
+    next is not (its block is not), and every point of an earlier chunk is at most the chunk start, which
+    needs no block.
     """
-    if sizes.groups[0].kind is Kind.CHUNKED:
-        return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound, drop=False, rules=rules)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
             top = min(top, extents[k])
+    chunked = chunked_group(sizes)
+    if chunked is not None:
+        return chunked_local_lookup(cache, sizes, chunked, hashes=covered // sizes.hash_block, max_length=top, drop=False, rules=rules)[0]
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, covered, rules))
+
+def chunked_group(sizes: Sizes):
+    """The chunked-local spec group of the layout, or None (the spec models at most one, beside full
+    attention only: :class:`kvhit.spec.domain.Layout`)."""
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.CHUNKED:
+            return k
+    return None
 
 def prefix_groups(sizes: Sizes) -> tuple:
     """The spec groups whose cache says how far a prompt is shared with what was cached before it: the
@@ -1589,7 +1611,7 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules, retained))
         elif sg.kind is Kind.CHUNKED:
-            out.append(chunked_local_held(sizes, k, n_tokens, rules))
+            out.append(chunked_local_held(sizes, k, n_tokens, start, rules))
         else:
             points = ()
             if sg.kind is Kind.FULL:
@@ -1597,15 +1619,21 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
             out.append(Held(kind=sg.kind, block=sg.block, unit=read_unit(sizes, k), extent=group_extent(sizes, k, n_tokens), every=True, points=points))
     return tuple(out)
 
-def chunked_local_held(sizes: Sizes, k, n_tokens, rules: Rules):
-    """What chunked-local group ``k`` (the layout's one group: the spec models it alone) holds of the prompt:
-    every block up to its extent but those its lookup counted as computed without reading them (vLLM
-    ``ChunkedLocalAttentionManager``: null blocks before the chunk holding the lookup's bound ``M``, never
-    computed nor cached; its mask caches every other block). Every hit of that lookup lies in that chunk,
-    the blocks between its start and the hit are the cached ones the hit found, so what the request leaves
-    does not depend on its hit: a gap ``[0, skipped)``, the rest held."""
+def chunked_local_held(sizes: Sizes, k, n_tokens, start, rules: Rules):
+    """What chunked-local group ``k`` holds of the prompt: every block up to its extent but those its
+    lookup counted as computed without reading them (vLLM ``ChunkedLocalAttentionManager``: null blocks
+    before the chunk holding the lookup's bound, never computed nor cached; its mask caches every other
+    block). Every hit of that lookup lies in that chunk, and the blocks between its start and the hit are
+    the cached ones the hit found: a gap ``[0, skipped)``, the rest held.
+
+    Alone, the lookup's bound is the request's ``M``, so what the request leaves does not depend on its
+    hit (a first request on an empty cache skips that chunk's start too). Beside full attention (Llama 4)
+    the bound is the full-attention groups' hit, which is as long as the layout's hit ``start`` up to the
+    end of its chunk (the chunked lookup returns at least the bound's chunk start): the gap ends at
+    ``start``'s chunk start."""
     sg = sizes.groups[k]
-    skipped = skipped_blocks(sg, max_length_within_hashes(sizes, n_tokens, rules)) * sg.block
+    bound = max_length_within_hashes(sizes, n_tokens, rules) if sizes.unitary else start
+    skipped = skipped_blocks(sg, bound) * sg.block
     return Held(kind=Kind.CHUNKED, block=sg.block, unit=sg.block, extent=group_extent(sizes, k, n_tokens), every=True, gaps=((0, skipped),))
 
 def merge(old, new):

@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 7776302d87ba0a55316151758c6946346d860c801ff9c2da3cf0a01f2cb98007
-output-sha256: 17d4257cb76d5c0c12b73bad554ccb927be25d428db6ddbc86331e790169896a
+spec-sha256: 86fab4ecdf2d638344ede00e40c54121146df5d7896a6673a01fe750d512b5b2
+output-sha256: e5fa7d6724f70e5ebdbd6b2099ee57aadfa65d38e78e2f369b298f3eb948193f
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from . import policy as runtime
-from .policy import Kind, Layout, Rules, Sizes, SpecGroup, Speculation, check_speculation, effective_block, fine_grained_capable, is_simple, max_cache_hit_length, partial_hash_hits_enabled, pass_bound, policy_rules, prefix_groups
+from .policy import Kind, Layout, Mode, Rules, Sizes, SpecGroup, Speculation, check_speculation, chunked_group, effective_block, fine_grained_capable, is_simple, max_cache_hit_length, partial_hash_hits_enabled, pass_bound, policy_rules, prefix_groups
 
 
 # --------------------------------------------------------------------------------------------------
@@ -751,6 +751,12 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
         margin = h if partial and fine_grained_capable(kind) and (b > h) else b
         groups.append(SpecGroup(kind=kind, block=b, window=window, chunk=chunk, members=members, drops=drops, margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
+    chunked = [sg for sg in groups if sg.kind is Kind.CHUNKED]
+    if chunked and (not unitary):
+        if speculation.mode is not Mode.NONE:
+            raise ValueError('EAGLE-family speculation with chunked local attention beside other groups is not a layout vLLM builds (it turns its hybrid KV-cache manager off for chunked local attention with EAGLE or MTP, and every layer becomes full attention)')
+        if chunked[0].block != alignment:
+            raise ValueError(f'chunked-local block {chunked[0].block} differs from the hit alignment {alignment} (vLLM asserts they are equal)')
     for sg in groups:
         if sg.drops and sg.kind is Kind.CHUNKED:
             raise ValueError('EAGLE drop with chunked local attention is not supported (vLLM asserts drop_eagle_block is False for chunked local attention)')
@@ -1046,14 +1052,19 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
     Full-attention groups are downward-closed, so their extents bound the scan from above before any
-    candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
+    candidate is tried. A chunked-local group (alone, or beside full attention only: the spec models no
+    other layout with one) keeps vLLM's lookup up to that bound, which is already the longest: every point
+    of the bound's chunk up to the lookup's hit is served (its blocks from the chunk start are cached), the
+    next is not (its block is not), and every point of an earlier chunk is at most the chunk start, which
+    needs no block.
     """
-    if sizes.groups[0].kind is Kind.CHUNKED:
-        return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound, drop=False, rules=rules)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
             top = min_(top, extents[k])
+    chunked = chunked_group(sizes)
+    if chunked is not None:
+        return chunked_local_lookup(cache, sizes, chunked, hashes=covered // sizes.hash_block, max_length=top, drop=False, rules=rules)[0]
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, covered, rules))
 
 def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, covered, rules: Rules):

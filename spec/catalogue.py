@@ -34,5 +34,7 @@ CATALOGUE = {
         _dsv4((16384, 512, 512), (128, 4, 4), 128, "dsv4_report"),
         # Llama-4-like chunked local attention, one group
         Layout((Group(CHUNKED, 16, chunk=64),), name="chunked64"),
+        # Llama 4 as vLLM 0.33 plans it: full-attention (NoPE) layers beside chunked local attention
+        Layout((Group(FULL, 16), Group(CHUNKED, 16, chunk=64)), name="llama4"),
     )
 }

@@ -129,9 +129,15 @@ class Layout:
                     f"group {i}: DCP {self.dcp} with a sharded {g.kind.value} group is not supported "
                     "(vLLM asserts DCP == 1 in its sliding-window and chunked-local lookups); "
                     "mark the group replicated (dcp_sharded=False) or use DCP 1")
-            if hybrid and g.kind is Kind.CHUNKED:
-                raise ValueError(f"group {i}: chunked local attention in a hybrid layout is not modelled "
-                                 "by the spec")
+        chunked = {(g.block_size, g.chunk) for g in groups if g.kind is Kind.CHUNKED}
+        if hybrid and chunked:
+            # Llama 4's layout: full attention beside one chunked-local spec
+            others = sorted({g.kind.value for g in groups if g.kind not in (Kind.FULL, Kind.CHUNKED)})
+            if others or len(chunked) > 1:
+                raise ValueError("chunked local attention beside "
+                                 + (f"groups of kind {' and '.join(others)}" if others else "another chunked-local spec")
+                                 + " is not modelled by the spec (it models chunked local attention alone or "
+                                 "beside full-attention groups)")
 
 
 @dataclass(frozen=True)

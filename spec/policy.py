@@ -537,16 +537,30 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     """The longest multiple of ``A`` at most ``bound`` that every group serves (0 if none).
 
     Full-attention groups are downward-closed, so their extents bound the scan from above before any
-    candidate is tried. A single chunked-local group keeps vLLM's lookup, which is already the longest.
+    candidate is tried. A chunked-local group (alone, or beside full attention only: the spec models no
+    other layout with one) keeps vLLM's lookup up to that bound, which is already the longest: every point
+    of the bound's chunk up to the lookup's hit is served (its blocks from the chunk start are cached), the
+    next is not (its block is not), and every point of an earlier chunk is at most the chunk start, which
+    needs no block.
     """
-    if sizes.groups[0].kind is Kind.CHUNKED:
-        return chunked_local_lookup(cache, sizes, 0, hashes=covered // sizes.hash_block, max_length=bound,
-                                    drop=False, rules=rules)[0]
     top = bound
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
             top = min_(top, extents[k])
+    chunked = chunked_group(sizes)
+    if chunked is not None:
+        return chunked_local_lookup(cache, sizes, chunked, hashes=covered // sizes.hash_block, max_length=top,
+                                    drop=False, rules=rules)[0]
     return max_aligned(sizes.alignment, top, lambda x: serves_all(cache, sizes, x, extents, covered, rules))
+
+
+def chunked_group(sizes: Sizes):
+    """The chunked-local spec group of the layout, or None (the spec models at most one, beside full
+    attention only: :class:`kvhit.spec.domain.Layout`)."""
+    for k, sg in enumerate(sizes.groups):
+        if sg.kind is Kind.CHUNKED:
+            return k
+    return None
 
 
 def prefix_groups(sizes: Sizes) -> tuple:

@@ -573,7 +573,7 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
         elif sg.kind is Kind.MAMBA:
             out.append(mamba_held(sizes, k, n_tokens, interval, at, start, junction, rules, retained))
         elif sg.kind is Kind.CHUNKED:
-            out.append(chunked_local_held(sizes, k, n_tokens, rules))
+            out.append(chunked_local_held(sizes, k, n_tokens, start, rules))
         else:
             points = ()
             if sg.kind is Kind.FULL:
@@ -583,15 +583,21 @@ def request_writes(sizes: Sizes, n_tokens, interval, rules: Rules, start=0, junc
     return tuple(out)
 
 
-def chunked_local_held(sizes: Sizes, k, n_tokens, rules: Rules):
-    """What chunked-local group ``k`` (the layout's one group: the spec models it alone) holds of the prompt:
-    every block up to its extent but those its lookup counted as computed without reading them (vLLM
-    ``ChunkedLocalAttentionManager``: null blocks before the chunk holding the lookup's bound ``M``, never
-    computed nor cached; its mask caches every other block). Every hit of that lookup lies in that chunk,
-    the blocks between its start and the hit are the cached ones the hit found, so what the request leaves
-    does not depend on its hit: a gap ``[0, skipped)``, the rest held."""
+def chunked_local_held(sizes: Sizes, k, n_tokens, start, rules: Rules):
+    """What chunked-local group ``k`` holds of the prompt: every block up to its extent but those its
+    lookup counted as computed without reading them (vLLM ``ChunkedLocalAttentionManager``: null blocks
+    before the chunk holding the lookup's bound, never computed nor cached; its mask caches every other
+    block). Every hit of that lookup lies in that chunk, and the blocks between its start and the hit are
+    the cached ones the hit found: a gap ``[0, skipped)``, the rest held.
+
+    Alone, the lookup's bound is the request's ``M``, so what the request leaves does not depend on its
+    hit (a first request on an empty cache skips that chunk's start too). Beside full attention (Llama 4)
+    the bound is the full-attention groups' hit, which is as long as the layout's hit ``start`` up to the
+    end of its chunk (the chunked lookup returns at least the bound's chunk start): the gap ends at
+    ``start``'s chunk start."""
     sg = sizes.groups[k]
-    skipped = skipped_blocks(sg, max_length_within_hashes(sizes, n_tokens, rules)) * sg.block
+    bound = max_length_within_hashes(sizes, n_tokens, rules) if sizes.unitary else start
+    skipped = skipped_blocks(sg, bound) * sg.block
     return Held(kind=Kind.CHUNKED, block=sg.block, unit=sg.block, extent=group_extent(sizes, k, n_tokens),
                 every=True, gaps=((0, skipped),))
 

@@ -5,7 +5,7 @@ All layout arithmetic is concrete. ``num_hashes`` is the one size that depends o
 
 from dataclasses import dataclass
 
-from .domain import Group, Kind, Layout, Speculation
+from .domain import Group, Kind, Layout, Mode, Speculation
 from .terms import floor_to, gcd_all, lcm_all, max_
 
 
@@ -151,6 +151,15 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
         groups.append(SpecGroup(kind=kind, block=b, window=window, chunk=chunk, members=members, drops=drops,
                                 margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
+    chunked = [sg for sg in groups if sg.kind is Kind.CHUNKED]
+    if chunked and not unitary:
+        if speculation.mode is not Mode.NONE:
+            raise ValueError("EAGLE-family speculation with chunked local attention beside other groups is not "
+                             "a layout vLLM builds (it turns its hybrid KV-cache manager off for chunked local "
+                             "attention with EAGLE or MTP, and every layer becomes full attention)")
+        if chunked[0].block != alignment:
+            raise ValueError(f"chunked-local block {chunked[0].block} differs from the hit alignment {alignment} "
+                             "(vLLM asserts they are equal)")
     for sg in groups:
         if sg.drops and sg.kind is Kind.CHUNKED:
             raise ValueError("EAGLE drop with chunked local attention is not supported "

@@ -145,6 +145,9 @@ CASES = {
     # served on it, nothing is preempted (measured), and the case runs the concurrent streams only.
     "chunked64": Case("chunked64", "none", 0, False, SchedulerSetup("llama", None, catalogue_layers("chunked64"),
                                                                     16), 3000, (300, 2600), preempts=False),
+    # Llama 4 as vLLM 0.33 plans it: full attention (the NoPE layers) beside chunked local attention
+    "llama4": Case("llama4", "none", 0, False, SchedulerSetup("llama", None, catalogue_layers("llama4"), 16),
+                   3000, (300, 2600)),
     # Qwen3-Next-like: full attention 1600 (holding the MTP layers) + Mamba 1600, two MTP modules
     "qwen3next-mtp2-drop": Case("qwen3next", "drop", 2, True, SchedulerSetup(
         "nemotron_h_mtp", _MTP2_DROP, scheduler_run.nemotron_h_mtp_layers,

@@ -4,8 +4,9 @@ For every modelled catalogue layout of ``tests.adapter.serving.CASES`` (plain fu
 draft, ``llama_eagle`` at DCP 2, ``gemma``, ``qwen3next`` with two MTP modules in drop and lookahead mode,
 ``qwen3next_pmu160`` and ``three_kind`` (Mamba read at hash granularity) with one and two MTP modules in drop
 mode and two in lookahead mode, three of these with backend-internal Mamba prefill checkpoints as vLLM's Mamba-2
-layers declare them, ``dsv4_cuda`` and ``dsv4_report``), token budgets 2048 and 8192 (which cut
-the prefill chunks of these prompts), and four conditions (``serving.CONDITIONS``):
+layers declare them, ``dsv4_cuda``, ``dsv4_report``, chunked local attention alone (``chunked64``, the
+concurrent conditions only: nothing preempts on it) and beside full attention (``llama4``)), token budgets
+2048 and 8192 (which cut the prefill chunks of these prompts), and four conditions (``serving.CONDITIONS``):
 
 * ``concurrent``: a sibling sharing the system prompt arrives while the first prompt is in prefill; then
   the first prompt twice, a longer sibling, and the sibling again;

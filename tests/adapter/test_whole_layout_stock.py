@@ -181,16 +181,15 @@ def test_drop_mode_in_which_only_mamba_groups_drop_leaves_the_layout_stock(monke
     _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 144, engine.ONLY_MAMBA_DROPS)
 
 
-def test_chunked_local_attention_beside_full_attention_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
-    """Llama 4 as vLLM 0.33 plans it (``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` defaults to 1, and
-    without EAGLE the hybrid manager stays on): full attention and chunked local attention, one block size. The
-    spec models chunked local attention alone (``chunked64``, enforced); beside another group it is not
-    modelled, read side included, so the layout is left to vLLM."""
-    layout = {"name": "llama4_like", "dcp": 1, "prefix_match_unit": None,
-              "groups": [{"kind": "full", "block_size": 16, "dcp_sharded": True, "eagle": False},
+def test_chunked_local_attention_beside_a_sliding_window_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):
+    """The spec models chunked local attention alone (``chunked64``) and beside full attention (``llama4``,
+    both enforced); beside a sliding window (no model known to plan one) it is not modelled, read side
+    included, so the layout is left to vLLM."""
+    layout = {"name": "chunked_beside_swa", "dcp": 1, "prefix_match_unit": None,
+              "groups": [{"kind": "swa", "block_size": 16, "dcp_sharded": True, "eagle": False, "window": 32},
                          {"kind": "chunked", "block_size": 16, "dcp_sharded": True, "eagle": False, "chunk": 64}]}
     harness = lambda: VllmHarness(layout, "none", retention_interval=0, max_model_len=3000)
-    _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 1000, "chunked local attention in a hybrid layout")
+    _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 1000, "chunked local attention beside groups of kind swa")
 
 
 @pytest.mark.parametrize("mode", ["none", "lookahead"])

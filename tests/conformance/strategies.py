@@ -76,11 +76,33 @@ def retention_intervals(layout: Layout, sizes):
     return st.one_of(options)
 
 
+def configurable(layout: Layout, speculation: Speculation) -> bool:
+    """Whether vLLM's config can put ``speculation`` in front of ``layout``'s managers: with EAGLE or MTP it
+    turns its hybrid KV-cache manager off for chunked local attention, so no coordinator of a chunked-local
+    group beside others ever sees those (the spec refuses them, and vLLM's classes, which never assert it,
+    are not asked)."""
+    hybrid_chunked = len(layout.groups) > 1 and any(g.kind == "chunked" for g in layout.groups)
+    return not (hybrid_chunked and speculation.mode.value != "none")
+
+
+def has_mode(layout: Layout, mode: str) -> bool:
+    """Whether the spec accepts some speculative setting of ``mode`` on ``layout`` (chunked local
+    attention has no drop mode: vLLM asserts it away; beside other groups it has only ``none``)."""
+    for speculation in SPECULATIONS:
+        if speculation.mode.value == mode and configurable(layout, speculation):
+            try:
+                derive_sizes(layout, speculation)
+                return True
+            except ValueError:
+                pass
+    return False
+
+
 @st.composite
 def scenarios(draw, layout: Layout, speculations=SPECULATIONS):
-    """A scenario over ``layout``: a speculative setting the spec accepts, a retention interval, a pool
-    size and a request stream."""
-    speculation = draw(st.sampled_from(speculations))
+    """A scenario over ``layout``: a speculative setting vLLM's config can build (:func:`configurable`),
+    a retention interval, a pool size and a request stream."""
+    speculation = draw(st.sampled_from([s for s in speculations if configurable(layout, s)]))
     try:
         sizes = derive_sizes(layout, speculation)
     except ValueError:
@@ -93,12 +115,17 @@ def scenarios(draw, layout: Layout, speculations=SPECULATIONS):
 @st.composite
 def random_layouts(draw):
     """A random layout the spec accepts: one to three groups of full attention, sliding window and Mamba
-    (and a lone chunked-local group), block sizes 16..256, EAGLE flags, replicated groups, DCP 1/2/4 and
-    ``prefix_match_unit``. Layouts the spec rejects are drawn too (a tenth of the time): vLLM must reject
+    (and a chunked-local group, alone or beside full attention), block sizes 16..256, EAGLE flags,
+    replicated groups, DCP 1/2/4 and ``prefix_match_unit``. Layouts the spec rejects are drawn too (a tenth of the time): vLLM must reject
     them as well."""
-    if draw(st.integers(0, 19)) == 0:
+    if draw(st.integers(0, 9)) == 0:
         block = draw(st.sampled_from([16, 32]))
-        return Layout((Group("chunked", block, chunk=block * draw(st.sampled_from([1, 2, 4]))),), name="random")
+        chunked = Group("chunked", block, chunk=block * draw(st.sampled_from([1, 2, 4])))
+        if draw(st.booleans()):
+            return Layout((chunked,), name="random")
+        # beside full attention (Llama 4), of the same block or one dividing it
+        full = [Group("full", draw(st.sampled_from([block, block // 2]))) for _ in range(draw(st.integers(1, 2)))]
+        return Layout(tuple(full) + (chunked,), name="random")
     groups = []
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["full", "full", "swa", "mamba"]))
@@ -128,7 +155,7 @@ def write_scenarios(draw, layout: Layout, speculations=SPECULATIONS):
 
     from .write_side import WriteScenario, in_scope
 
-    speculation = draw(st.sampled_from(speculations))
+    speculation = draw(st.sampled_from([s for s in speculations if configurable(layout, s)]))
     try:
         units, sizes = _units(layout, speculation)
     except ValueError:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from kvhit.spec.catalogue import CATALOGUE
 
 from .differential import STATS, run_scenario, to_refimpl
-from .strategies import SPECULATIONS, random_layouts, scenarios
+from .strategies import SPECULATIONS, has_mode, random_layouts, scenarios
 from .vllm_harness import MODES, VLLM_VERSION  # noqa: F401 (MODES: the suites import it from here)
 
 SCENARIOS = int(os.environ.get("KVHIT_CONFORMANCE_SCENARIOS", "2400"))
@@ -29,7 +29,7 @@ CATALOGUE_DCP = {"full16": (1, 2, 4), "llama_eagle": (1, 2, 4), "qwen3next": (1,
 HEAVY = {"dsv4_report": 0.25}
 
 CASES = [(name, dcp, mode) for name in sorted(CATALOGUE) for dcp in CATALOGUE_DCP.get(name, (1,))
-         for mode in MODES]
+         for mode in MODES if has_mode(to_refimpl(replace(CATALOGUE[name], dcp=dcp)), mode)]
 RANDOM_SHARE = 0.3
 _weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
 PER_CASE = {case: max(1, round(SCENARIOS * (1 - RANDOM_SHARE) * w / sum(_weights)))

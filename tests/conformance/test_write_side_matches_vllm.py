@@ -22,29 +22,15 @@ from kvhit.refimpl.policy import Kind
 from kvhit.spec.catalogue import CATALOGUE
 
 from .differential import to_refimpl
-from .strategies import SPECULATIONS, random_layouts, write_scenarios
+from .strategies import SPECULATIONS, has_mode, random_layouts, write_scenarios
 from .test_hit_tokens_matches_vllm import CATALOGUE_DCP, HEAVY, MODES, VLLM_VERSION
 from .write_side import WRITE_STATS, WriteScenario, run_write_scenario
 
 SCENARIOS = int(os.environ.get("KVHIT_WRITE_SCENARIOS", "2000"))
 
 
-def has_mode(name: str, dcp: int, mode: str) -> bool:
-    """Whether the spec accepts some speculative setting of ``mode`` on the layout (chunked local attention
-    has no drop mode: vLLM asserts it away)."""
-    layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
-    for speculation in SPECULATIONS:
-        if speculation.mode.value == mode:
-            try:
-                derive_sizes(layout, speculation)
-                return True
-            except ValueError:
-                pass
-    return False
-
-
 CASES = [(name, dcp, mode) for name in sorted(CATALOGUE) for dcp in CATALOGUE_DCP.get(name, (1,)) for mode in MODES
-         if has_mode(name, dcp, mode)]
+         if has_mode(to_refimpl(replace(CATALOGUE[name], dcp=dcp)), mode)]
 RANDOM_SHARE = 0.3
 _weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
 PER_CASE = {case: max(1, round(SCENARIOS * (1 - RANDOM_SHARE) * w / sum(_weights)))

@@ -15,13 +15,13 @@ from kvhit.spec.catalogue import CATALOGUE
 
 from .budget_side import BUDGETS, BudgetStats, cutting_budget, run_budgeted_scenario
 from .differential import Mismatch, to_refimpl
-from .strategies import SPECULATIONS, write_scenarios
+from .strategies import SPECULATIONS, has_mode, write_scenarios
 from .test_hit_tokens_matches_vllm import HEAVY, MODES, VLLM_VERSION
-from .test_write_side_matches_vllm import SETTINGS, has_mode
+from .test_write_side_matches_vllm import SETTINGS
 from .write_side import WriteScenario
 
 SCENARIOS = int(os.environ.get("KVHIT_BUDGET_SCENARIOS", "2000"))
-CASES = [(name, mode, budget) for name in sorted(CATALOGUE) for mode in MODES if has_mode(name, 1, mode)
+CASES = [(name, mode, budget) for name in sorted(CATALOGUE) for mode in MODES if has_mode(to_refimpl(CATALOGUE[name]), mode)
          for budget in BUDGETS + ("3S",)]
 _weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
 PER_CASE = {case: max(1, round(SCENARIOS * w / sum(_weights))) for case, w in zip(CASES, _weights)}

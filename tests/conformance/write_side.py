@@ -126,8 +126,8 @@ WRITE_STATS = WriteStats()
 
 
 def in_scope(layout: Layout, speculation: Speculation, retention) -> bool:
-    """The spec accepts the layout and models its write side with this retention interval (chunked local
-    attention is outside the write side, ``check_retention``)."""
+    """The spec accepts the layout and models its write side with this retention interval
+    (``check_retention``)."""
     try:
         check_retention(derive_sizes(layout, speculation), retention)
     except ValueError:

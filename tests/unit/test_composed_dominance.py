@@ -90,7 +90,8 @@ def test_the_default_run_composes_the_claim_but_on_chunked_local_attention_and_c
     assert sorted(CFGS[t[2]].label for t in bad) == ["qwen3next drop Lp=1 R=0", MTP2]
     reference = [t for t in whole if t[1] == "reference"]
     assert sorted(CFGS[t[2]].label for t in reference) == [
-        "chunked64 lookahead Lp=1 R=0", "chunked64 lookahead Lp=2 mtp2 R=0", "chunked64 none R=0"]
+        "chunked64 lookahead Lp=1 R=0", "chunked64 lookahead Lp=2 mtp2 R=0", "chunked64 none R=0",
+        "llama4 none R=0"]
     assert {t[1] for t in whole} == {"without_junction", "reference"}
     lemma_on = {t[2] for t in runner.tasks() if t[:2] == (SERVES, "reference")}
     assert lemma_on == {i for i, c in enumerate(CFGS) if c.write_side}
