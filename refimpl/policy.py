@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 86fab4ecdf2d638344ede00e40c54121146df5d7896a6673a01fe750d512b5b2
-output-sha256: 2f027451a34f60606de9dc6b707a7413c4b9c56d99ff484ed88da84a0ccdebb7
+spec-sha256: 3842214163651087fa482af02a0bce57cbb4aa4199d1ab8deb799eed5aff799d
+output-sha256: b701f7150aa3b676b08c9c44ded07e023b29c5890fcbce88af1e2a3caad2919e
 """
 
 import itertools
@@ -164,7 +164,8 @@ class Layout:
         if hybrid and chunked:
             others = sorted({g.kind.value for g in groups if g.kind not in (Kind.FULL, Kind.CHUNKED)})
             if others or len(chunked) > 1:
-                raise ValueError('chunked local attention beside ' + (f"groups of kind {' and '.join(others)}" if others else 'another chunked-local spec') + ' is not modelled by the spec (it models chunked local attention alone or beside full-attention groups)')
+                beside = f"groups of kind {' and '.join(others)}" if others else 'another chunked-local spec'
+                raise ValueError(f'chunked local attention beside {beside} is not modelled by the spec (it models chunked local attention alone or beside full-attention groups)')
 
 @dataclass(frozen=True)
 class Speculation:

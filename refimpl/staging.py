@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 86fab4ecdf2d638344ede00e40c54121146df5d7896a6673a01fe750d512b5b2
+spec-sha256: 3842214163651087fa482af02a0bce57cbb4aa4199d1ab8deb799eed5aff799d
 output-sha256: e5fa7d6724f70e5ebdbd6b2099ee57aadfa65d38e78e2f369b298f3eb948193f
 """
 

@@ -134,10 +134,9 @@ class Layout:
             # Llama 4's layout: full attention beside one chunked-local spec
             others = sorted({g.kind.value for g in groups if g.kind not in (Kind.FULL, Kind.CHUNKED)})
             if others or len(chunked) > 1:
-                raise ValueError("chunked local attention beside "
-                                 + (f"groups of kind {' and '.join(others)}" if others else "another chunked-local spec")
-                                 + " is not modelled by the spec (it models chunked local attention alone or "
-                                 "beside full-attention groups)")
+                beside = f"groups of kind {' and '.join(others)}" if others else "another chunked-local spec"
+                raise ValueError(f"chunked local attention beside {beside} is not modelled by the spec (it models "
+                                 "chunked local attention alone or beside full-attention groups)")
 
 
 @dataclass(frozen=True)

@@ -116,8 +116,8 @@ def scenarios(draw, layout: Layout, speculations=SPECULATIONS):
 def random_layouts(draw):
     """A random layout the spec accepts: one to three groups of full attention, sliding window and Mamba
     (and a chunked-local group, alone or beside full attention), block sizes 16..256, EAGLE flags,
-    replicated groups, DCP 1/2/4 and ``prefix_match_unit``. Layouts the spec rejects are drawn too (a tenth of the time): vLLM must reject
-    them as well."""
+    replicated groups, DCP 1/2/4 and ``prefix_match_unit``. Layouts the spec rejects are drawn too (a tenth
+    of the time): vLLM must reject them as well."""
     if draw(st.integers(0, 9)) == 0:
         block = draw(st.sampled_from([16, 32]))
         chunked = Group("chunked", block, chunk=block * draw(st.sampled_from([1, 2, 4])))

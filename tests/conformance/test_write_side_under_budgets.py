@@ -21,8 +21,8 @@ from .test_write_side_matches_vllm import SETTINGS
 from .write_side import WriteScenario
 
 SCENARIOS = int(os.environ.get("KVHIT_BUDGET_SCENARIOS", "2000"))
-CASES = [(name, mode, budget) for name in sorted(CATALOGUE) for mode in MODES if has_mode(to_refimpl(CATALOGUE[name]), mode)
-         for budget in BUDGETS + ("3S",)]
+CASES = [(name, mode, budget) for name in sorted(CATALOGUE) for mode in MODES
+         if has_mode(to_refimpl(CATALOGUE[name]), mode) for budget in BUDGETS + ("3S",)]
 _weights = [HEAVY.get(name, 1.0) for name, _, _ in CASES]
 PER_CASE = {case: max(1, round(SCENARIOS * w / sum(_weights))) for case, w in zip(CASES, _weights)}
 

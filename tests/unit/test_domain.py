@@ -41,6 +41,31 @@ def test_eagle_drop_with_chunked_local_attention_is_refused():
         derive_sizes(Layout((Group("chunked", 16, chunk=64),)), Speculation("drop", 1))
 
 
+@pytest.mark.parametrize("groups, message", [
+    ((Group("swa", 16, window=32), Group("chunked", 16, chunk=64)),
+     "chunked local attention beside groups of kind swa is not modelled"),
+    ((Group("full", 16), Group("mamba", 16), Group("chunked", 16, chunk=64)),
+     "beside groups of kind mamba is not modelled"),
+    ((Group("full", 16), Group("chunked", 16, chunk=64), Group("chunked", 16, chunk=128)),
+     "beside another chunked-local spec is not modelled"),
+])
+def test_chunked_local_attention_beside_anything_but_full_attention_is_refused(groups, message):
+    with pytest.raises(ValueError, match=message):
+        Layout(groups)
+
+
+def test_llama4_is_refused_where_vllm_builds_no_such_coordinator():
+    """Full attention beside chunked local attention (Llama 4): no EAGLE-family mode (vLLM's config turns its
+    hybrid manager off then), and no chunked block other than the alignment (vLLM's finder asserts it)."""
+    llama4 = Layout((Group("full", 16), Group("chunked", 16, chunk=64)))
+    assert derive_sizes(llama4, Speculation()).alignment == 16
+    for speculation in (Speculation("lookahead", 1), Speculation("drop", 1)):
+        with pytest.raises(ValueError, match="EAGLE-family speculation with chunked local attention beside"):
+            derive_sizes(Layout((Group("full", 16, eagle=True), Group("chunked", 16, chunk=64))), speculation)
+    with pytest.raises(ValueError, match="chunked-local block 16 differs from the hit alignment 32"):
+        derive_sizes(Layout((Group("full", 32), Group("chunked", 16, chunk=64))), Speculation())
+
+
 def test_non_positive_prompts_and_unknown_policies_are_refused():
     layout = Layout((Group("full", 16),))
     with pytest.raises(ValueError, match="at least one prompt token"):
