@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 3842214163651087fa482af02a0bce57cbb4aa4199d1ab8deb799eed5aff799d
-output-sha256: b701f7150aa3b676b08c9c44ded07e023b29c5890fcbce88af1e2a3caad2919e
+spec-sha256: e5c09a4027131496ef05651f6609e5d7c044fb9c41b6bf171b7b7113ae2860e5
+output-sha256: 23efd6ba9b6aef181e952b8f910070a29cd6f1b1fbbf105065e25d0cfb06d025
 """
 
 import itertools
@@ -160,12 +160,10 @@ class Layout:
             sharded = g.dcp_sharded and self.dcp > 1
             if sharded and g.kind in (Kind.SWA, Kind.CHUNKED):
                 raise ValueError(f'group {i}: DCP {self.dcp} with a sharded {g.kind.value} group is not supported (vLLM asserts DCP == 1 in its sliding-window and chunked-local lookups); mark the group replicated (dcp_sharded=False) or use DCP 1')
-        chunked = {(g.block_size, g.chunk) for g in groups if g.kind is Kind.CHUNKED}
-        if hybrid and chunked:
+        if hybrid and any((g.kind is Kind.CHUNKED for g in groups)):
             others = sorted({g.kind.value for g in groups if g.kind not in (Kind.FULL, Kind.CHUNKED)})
-            if others or len(chunked) > 1:
-                beside = f"groups of kind {' and '.join(others)}" if others else 'another chunked-local spec'
-                raise ValueError(f'chunked local attention beside {beside} is not modelled by the spec (it models chunked local attention alone or beside full-attention groups)')
+            if others:
+                raise ValueError(f"chunked local attention beside groups of kind {' and '.join(others)} is not modelled by the spec (it models chunked local attention alone or beside full-attention groups)")
 
 @dataclass(frozen=True)
 class Speculation:
@@ -358,6 +356,8 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
         groups.append(SpecGroup(kind=kind, block=b, window=window, chunk=chunk, members=members, drops=drops, margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
     chunked = [sg for sg in groups if sg.kind is Kind.CHUNKED]
+    if len(chunked) > 1:
+        raise ValueError('chunked local attention beside another chunked-local spec is not modelled by the spec (it models one chunked-local spec group, alone or beside full-attention groups)')
     if chunked and (not unitary):
         if speculation.mode is not Mode.NONE:
             raise ValueError('EAGLE-family speculation with chunked local attention beside other groups is not a layout vLLM builds (it turns its hybrid KV-cache manager off for chunked local attention with EAGLE or MTP, and every layer becomes full attention)')
@@ -1036,7 +1036,7 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
 
 def chunked_group(sizes: Sizes):
     """The chunked-local spec group of the layout, or None (the spec models at most one, beside full
-    attention only: :class:`kvhit.spec.domain.Layout`)."""
+    attention only: :class:`kvhit.spec.domain.Layout` and :func:`kvhit.spec.sizes.derive_sizes`)."""
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.CHUNKED:
             return k

@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 3842214163651087fa482af02a0bce57cbb4aa4199d1ab8deb799eed5aff799d
-output-sha256: e5fa7d6724f70e5ebdbd6b2099ee57aadfa65d38e78e2f369b298f3eb948193f
+spec-sha256: e5c09a4027131496ef05651f6609e5d7c044fb9c41b6bf171b7b7113ae2860e5
+output-sha256: 2757956ca1ecf4c08bcf8da1afb110de69946fcaa814e329025c66bceb82afa7
 """
 
 from __future__ import annotations
@@ -752,6 +752,8 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
         groups.append(SpecGroup(kind=kind, block=b, window=window, chunk=chunk, members=members, drops=drops, margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
     chunked = [sg for sg in groups if sg.kind is Kind.CHUNKED]
+    if len(chunked) > 1:
+        raise ValueError('chunked local attention beside another chunked-local spec is not modelled by the spec (it models one chunked-local spec group, alone or beside full-attention groups)')
     if chunked and (not unitary):
         if speculation.mode is not Mode.NONE:
             raise ValueError('EAGLE-family speculation with chunked local attention beside other groups is not a layout vLLM builds (it turns its hybrid KV-cache manager off for chunked local attention with EAGLE or MTP, and every layer becomes full attention)')

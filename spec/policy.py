@@ -556,7 +556,7 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
 
 def chunked_group(sizes: Sizes):
     """The chunked-local spec group of the layout, or None (the spec models at most one, beside full
-    attention only: :class:`kvhit.spec.domain.Layout`)."""
+    attention only: :class:`kvhit.spec.domain.Layout` and :func:`kvhit.spec.sizes.derive_sizes`)."""
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.CHUNKED:
             return k

@@ -152,6 +152,9 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
                                 margin=margin, fine=fine))
     groups.sort(key=lambda sg: sg.kind is not Kind.FULL)
     chunked = [sg for sg in groups if sg.kind is Kind.CHUNKED]
+    if len(chunked) > 1:
+        raise ValueError("chunked local attention beside another chunked-local spec is not modelled by the spec "
+                         "(it models one chunked-local spec group, alone or beside full-attention groups)")
     if chunked and not unitary:
         if speculation.mode is not Mode.NONE:
             raise ValueError("EAGLE-family speculation with chunked local attention beside other groups is not "

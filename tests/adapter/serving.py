@@ -333,10 +333,10 @@ def lookup_problems(coordinator, hash_block: int, block_hashes: Sequence, max_ca
                                 f"({len(covered)} blocks, window tail {[covered[i] for i in tail]})")
         elif isinstance(spec, ChunkedLocalAttentionSpec):
             chunk_start = hit // spec.attention_chunk_size * spec.attention_chunk_size
-            if len(covered) != need or None in covered[chunk_start // b:]:
+            in_chunk = covered[chunk_start // b:]
+            if len(covered) != need or None in in_chunk:
                 problems.append(f"group {g}: chunked local attention returned {len(covered)} blocks covering "
-                                f"{covered[chunk_start // b:][-3:]} of its chunk from {chunk_start} for hit "
-                                f"{hit} (block {b})")
+                                f"{in_chunk[-3:]} of its chunk from {chunk_start} for hit {hit} (block {b})")
         elif len(covered) != need or None in covered:
             problems.append(f"group {g}: full attention returned {len(covered)} blocks covering "
                             f"{covered[-3:]} for hit {hit} (block {b})")

@@ -46,12 +46,18 @@ def test_eagle_drop_with_chunked_local_attention_is_refused():
      "chunked local attention beside groups of kind swa is not modelled"),
     ((Group("full", 16), Group("mamba", 16), Group("chunked", 16, chunk=64)),
      "beside groups of kind mamba is not modelled"),
-    ((Group("full", 16), Group("chunked", 16, chunk=64), Group("chunked", 16, chunk=128)),
-     "beside another chunked-local spec is not modelled"),
 ])
 def test_chunked_local_attention_beside_anything_but_full_attention_is_refused(groups, message):
     with pytest.raises(ValueError, match=message):
         Layout(groups)
+
+
+@pytest.mark.parametrize("second", [Group("chunked", 16, chunk=128), Group("chunked", 16, chunk=64, dcp_sharded=False)])
+def test_a_second_chunked_local_spec_group_is_refused(second):
+    """One chunked-local spec group at most, counted as the spec groups are merged: a second chunk size, or
+    the same chunk in a group that is not merged with the first (here: replicated), is refused."""
+    with pytest.raises(ValueError, match="beside another chunked-local spec is not modelled"):
+        derive_sizes(Layout((Group("full", 16), Group("chunked", 16, chunk=64), second)), Speculation())
 
 
 def test_llama4_is_refused_where_vllm_builds_no_such_coordinator():
