@@ -94,6 +94,7 @@ from kvhit.refimpl import (
     group_extents,
     hit_tokens,
     mamba_at_hash_granularity,
+    num_hashes,
     reference_pass,
     replay_boundaries,
     resume_period,
@@ -182,6 +183,8 @@ class CoordinatorModel:
             ``(N, cache)``: the spec's ``hit_tokens`` staged for the layout (:func:`reference_hit_tokens`).
         cache: the :class:`PoolCache` of the coordinator's pool on ``members``, which each lookup starts.
         release: the vLLM release the coordinator belongs to.
+        capped: its scheduler caps lookups below ``N - 1`` (auxiliary outputs, :func:`aux_cap_reason`):
+            a capped lookup is answered by the reference too (:func:`capped_reference`).
     """
 
     layout: Layout
@@ -197,6 +200,7 @@ class CoordinatorModel:
     hit_tokens: Callable = dataclasses.field(default=None, compare=False, repr=False)
     cache: PoolCache = dataclasses.field(default=None, compare=False, repr=False)
     release: Release = dataclasses.field(default=None, compare=False, repr=False)
+    capped: bool = False
 
     @property
     def unitary(self) -> bool:
@@ -640,6 +644,15 @@ def _block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
     return [manager.block_size for manager in coordinator.single_type_managers]
 
 
+class _Capped(_Stock):
+    """A lookup capped below ``N - 1``: the hashes of ``max_cache_hit_length + 1`` tokens are not the
+    request's (:func:`capped_reference`)."""
+
+
+class _CapBelowReference(Exception):
+    """A capped lookup whose reference hit or shared prefix passes the cap (:func:`capped_reference`)."""
+
+
 def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
                walks: Sequence[_Walk | None], max_cache_hit_length: int) -> tuple[int, int, int]:
     """``(hit, reach, longest)`` of ``refimpl.hit_tokens`` under the reference policy for a request of
@@ -647,18 +660,49 @@ def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_h
     (``longest``: the shared prefix, at least the hit).
 
     Raises:
-        _Stock: the cap is not ``N - 1`` for a request with these block hashes (the spec models only
-            ``N - 1``): the hashes of ``N`` tokens would not reach as far as these. vLLM's scheduler caps
-            below ``N - 1`` only with auxiliary outputs, which leave the whole layout stock (a version
-            module's ``scheduler_stock_reason``); so this is a caller of a ``KVCacheManager`` built outside
-            a scheduler (vLLM's unit tests), answered by vLLM's own code for that lookup.
+        _Capped: the cap is not ``N - 1`` for a request with these block hashes: the hashes of ``N`` tokens
+            would not reach as far as these (:func:`capped_reference` answers it where the model is
+            ``capped``).
     """
     hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
     if reach != len(block_hashes) * model.sizes.hash_block:
-        raise _Stock(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
-                     f"{len(block_hashes)} block hashes: the cap is not N - 1 (a KV connector's cap); "
-                     "the spec models only N - 1")
+        raise _Capped(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
+                      f"{len(block_hashes)} block hashes: the cap is not N - 1, and this coordinator's "
+                      "scheduler does not cap lookups (only auxiliary outputs do)")
     return hit, reach, longest
+
+
+def capped_reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
+                     max_cache_hit_length: int, capped: _Capped) -> tuple[int, int, int, list]:
+    """``(hit, reach, longest, walks)`` of the reference for a lookup capped at ``M = max_cache_hit_length``
+    below ``N - 1`` (:class:`_Capped`), on a ``capped`` model (its scheduler has auxiliary outputs).
+
+    The reference hit of ``N`` tokens is the longest multiple of ``A`` at most ``min(N - 1, |H| * h)`` that
+    every group serves, and whether a group serves a length depends on the hashes, not on ``N``; its shared
+    prefix is the same kind of maximum. A lookup capped at ``M < N - 1`` asks for the maximum at most
+    ``min(M, |H| * h)``. This computes the reference for the longest prompt these hashes can belong to,
+    whose bound is ``|H| * h`` (its walks of vLLM's full-attention groups reach the hashes' end), and
+    answers it when its hit and its shared prefix are at most ``M``: the same maximum over a smaller set
+    that holds it.
+
+    Raises:
+        _Stock: ``capped``, the model is not ``capped`` (a ``KVCacheManager`` built outside a scheduler,
+            vLLM's unit tests: answered by vLLM's own code for that lookup).
+        _CapBelowReference: the hit or the shared prefix passes the cap, so neither is the capped lookup's
+            (:func:`aux_cap_reason` says why this does not happen on a layout kvhit enforces under auxiliary
+            outputs; a fallback, counted).
+    """
+    sizes = model.sizes
+    covered = len(block_hashes) * sizes.hash_block
+    n_tokens = covered + sizes.hash_block + sizes.hash_lookahead - 1  # the longest prompt with these hashes
+    if not model.capped or n_tokens - 1 < covered:
+        raise capped
+    walks = _walks(model, block_hashes, n_tokens - 1)
+    hit, reach, longest, _ = model.hit_tokens(n_tokens, model.cache.start(block_hashes, walks))
+    if reach != covered or longest > max_cache_hit_length:
+        raise _CapBelowReference(f"a lookup capped at {max_cache_hit_length} tokens: the reference hit of its "
+                                 f"{len(block_hashes)} block hashes is {hit}, its shared prefix {longest}")
+    return hit, reach, longest, walks
 
 
 def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
@@ -668,10 +712,13 @@ def reference_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, bloc
     full-attention prefix (:func:`_walks`).
 
     Raises:
-        _Stock: see :func:`_reference`.
+        _Stock, _CapBelowReference: see :func:`_reference` and :func:`capped_reference`.
     """
-    hit, reach, _ = _reference(coordinator, model, block_hashes,
-                               _walks(model, block_hashes, max_cache_hit_length), max_cache_hit_length)
+    try:
+        hit, reach, _ = _reference(coordinator, model, block_hashes,
+                                   _walks(model, block_hashes, max_cache_hit_length), max_cache_hit_length)
+    except _Capped as capped:
+        hit, reach, _, _ = capped_reference(coordinator, model, block_hashes, max_cache_hit_length, capped)
     return hit, reach
 
 
@@ -862,7 +909,10 @@ def enforced_hit(coordinator: KVCacheCoordinator, model: CoordinatorModel, block
                  max_cache_hit_length: int):
     """``find_longest_cache_hit`` under the reference policy: ``(blocks per group, hit, num_uncached)``."""
     walks = _walks(model, block_hashes, max_cache_hit_length)
-    hit, _, longest = _reference(coordinator, model, block_hashes, walks, max_cache_hit_length)
+    try:
+        hit, _, longest = _reference(coordinator, model, block_hashes, walks, max_cache_hit_length)
+    except _Capped as capped:
+        hit, _, longest, walks = capped_reference(coordinator, model, block_hashes, max_cache_hit_length, capped)
     out: list = [None] * len(model.spec_group_of)  # every KV-cache group is in one of the plans
     for plan, walk in zip(model.plans, walks):
         for gid, group_blocks in zip(plan.group_ids, _group_blocks(plan, walk, block_hashes, hit, model.cache)):
@@ -962,14 +1012,15 @@ COUNT_GAINS = os.environ.get(COUNT_GAINS_ENV, "") not in ("", "0")
 """Whether enforce also computes stock vLLM's hit of each lookup, to count what it gained (read at import)."""
 
 
-def count_enforced(model: CoordinatorModel, hit: int, n_tokens: int) -> None:
-    """Count an enforced lookup of ``n_tokens`` that answered ``hit``. With ``KVHIT_COUNT_GAINS`` set, also
-    against what stock vLLM would have answered on the same cache: ``refimpl``'s read side under the
-    release's own rules (``Release.stock_rules``: vLLM's own hit on every lookup tests/conformance compares)
-    on the :class:`PoolCache` the lookup has just read. That is opt-in because it costs what shadow's
-    comparison does: the generic refimpl, with vLLM's fixed-point loop, takes longer than the staged
-    reference hit (``make bench``). Never raises."""
-    if not COUNT_GAINS:
+def count_enforced(model: CoordinatorModel, hit: int, n_tokens: int, hashes: int) -> None:
+    """Count an enforced lookup of ``n_tokens`` (a request with ``hashes`` block hashes) that answered
+    ``hit``. With ``KVHIT_COUNT_GAINS`` set, also against what stock vLLM would have answered on the same
+    cache: ``refimpl``'s read side under the release's own rules (``Release.stock_rules``: vLLM's own hit
+    on every lookup tests/conformance compares) on the :class:`PoolCache` the lookup has just read, but
+    for a lookup capped below ``N - 1`` (refimpl has vLLM's lookups of ``N - 1`` only), which is counted
+    without it. That is opt-in because it costs what shadow's comparison does: the generic refimpl, with
+    vLLM's fixed-point loop, takes longer than the staged reference hit (``make bench``). Never raises."""
+    if not COUNT_GAINS or num_hashes(model.sizes, n_tokens) != hashes:
         _lookups_of[model.label, _mode].inc()
         return
     try:
@@ -1046,7 +1097,8 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
 
         kvhit takes a layout whole or not at all: a layout whose write side the spec does not model
         (``CoordinatorModel.write_note``), or one built by a scheduler whose config leaves it to vLLM (a KV
-        connector, auxiliary outputs: :func:`scheduler_init_seam`), is left to vLLM in every mode, read side
+        connector, auxiliary outputs whose cap can bind: :func:`scheduler_init_seam`,
+        :func:`aux_cap_reason`), is left to vLLM in every mode, read side
         and write side, and reported as an unmodelled layout: the reference read side on vLLM's write side
         would not give what the reference promises (the first repeat hits what the second does), and
         shadow's counters say what enforce does.
@@ -1062,6 +1114,11 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
             scheduler_reason = _scheduler_stock.get()
             if scheduler_reason is not None:
                 raise Unmodelled(f"{model.label}: {scheduler_reason}")
+            if _scheduler_caps.get():
+                aux_reason = aux_cap_reason(coordinator, model)
+                if aux_reason is not None:
+                    raise Unmodelled(f"{model.label}: {aux_reason}")
+                model = dataclasses.replace(model, capped=True)
         except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
             why = str(e) if isinstance(e, Unmodelled) else (
                 f"kvhit could not read the layout ({type(e).__name__}: {e}); this is kvhit's bug, please "
@@ -1089,24 +1146,58 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
 # KVCacheManager built on its own (tests, vLLM's unit tests) has no connector the adapter could know of.
 _scheduler_stock: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvhit_scheduler_stock",
                                                                               default=None)
+# Set beside it: whether that scheduler caps its lookups below N - 1 (auxiliary outputs, where the release
+# models their cap: :func:`aux_cap_reason`).
+_scheduler_caps: contextvars.ContextVar[bool] = contextvars.ContextVar("kvhit_scheduler_caps", default=False)
 
 
-def config_stock_reason(vllm_config, aux_outputs: str) -> str | None:
+def aux_outputs_enabled(vllm_config) -> bool:
+    """Whether a scheduler built from ``vllm_config`` has auxiliary outputs (``aux_output_config.enabled``).
+    Raises what reading the config raises."""
+    aux = getattr(vllm_config, "aux_output_config", None)
+    return aux is not None and bool(aux.enabled)
+
+
+def config_stock_reason(vllm_config, aux_outputs: str | None) -> str | None:
     """Why a scheduler built from ``vllm_config`` leaves its whole layout to vLLM, or None: a KV connector
     (``kv_transfer_config``; the scheduler builds it before its KV cache manager: the tokens it loads past
     the local hit and ``get_computed_blocks_for_connector``'s per-group lookup are not modelled), or
-    auxiliary outputs (``aux_output_config.enabled``), with ``aux_outputs`` the release's reason for them.
-    A config it cannot read is a reason too (never less than stock). Never raises."""
+    auxiliary outputs (:func:`aux_outputs_enabled`) where the release does not model them, with
+    ``aux_outputs`` its reason (None: the release models their cap, and the layout decides:
+    :func:`aux_cap_reason`). A config it cannot read is a reason too (never less than stock). Never
+    raises."""
     try:
         if getattr(vllm_config, "kv_transfer_config", None) is not None:
             return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
                     "per-group local lookup are not modelled")
-        aux = getattr(vllm_config, "aux_output_config", None)
-        if aux is not None and aux.enabled:
+        if aux_outputs_enabled(vllm_config) and aux_outputs is not None:  # read either way: unreadable is a reason
             return f"the scheduler has auxiliary outputs (aux_output_config): {aux_outputs}"
     except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
         return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
     return None
+
+
+def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> str | None:
+    """Why auxiliary outputs leave ``model``'s layout to vLLM, or None: where their cap never binds.
+
+    vLLM 0.33's ``AuxOutputSchedulerConnector.max_cache_hit`` caps each lookup at
+    ``M = min(k * b, N - 1)``, ``k`` the leading blocks of KV-cache group ``g`` (its coordinator's
+    ``full_attention_group_id``, else 0; block ``b``) that its own store or that group's pool holds. When
+    ``g`` is full attention looked up at its block, the blocks the pool holds from the start are part of
+    ``k``, so ``M`` is at least ``min(N - 1, that group's cached prefix)``. Every length the reference hits
+    or records as a shared prefix is at most ``N - 1`` and served by ``g``'s spec group, so within its
+    cached prefix: at most ``M``. The capped lookup's answer is then the uncapped one
+    (:func:`capped_reference`), and the write side is the reference's as without the cap. Where ``g`` is
+    another kind, or full attention with partial hits (a hit inside a block, past ``k * b``), the cap can
+    bind, and the spec models no cap: the layout is left to vLLM."""
+    gid = getattr(coordinator, "full_attention_group_id", None) or 0
+    sg = model.sizes.groups[model.spec_group_of[gid]]
+    if sg.kind is Kind.FULL and not sg.fine:
+        return None
+    kind = "full attention with partial hits" if sg.kind is Kind.FULL else f"{sg.kind.value}"
+    return (f"the scheduler has auxiliary outputs (aux_output_config), whose cap on each lookup "
+            f"(max_cache_hit) is the leading blocks of KV-cache group {gid}, {kind} here: it can cap below "
+            "the reference hit, and the spec models no cap below N - 1")
 
 
 def scheduler_init_seam(original: Callable, stock_reason: Callable[[object], str | None]) -> Callable:
@@ -1118,11 +1209,18 @@ def scheduler_init_seam(original: Callable, stock_reason: Callable[[object], str
         """``Scheduler.__init__``, with why its config leaves the layout to vLLM known while it builds the
         KV cache manager."""
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
-        token = _scheduler_stock.set(stock_reason(vllm_config))
+        reason, caps = stock_reason(vllm_config), False
+        if reason is None:  # stock_reason has read the field; a config it could not read gives a reason
+            try:
+                caps = aux_outputs_enabled(vllm_config)
+            except Exception as e:  # noqa: BLE001 - never raise inside vLLM's constructor; never less than stock
+                reason = f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
+        token, caps_token = _scheduler_stock.set(reason), _scheduler_caps.set(caps)
         try:
             original(self, *args, **kwargs)
         finally:
             _scheduler_stock.reset(token)
+            _scheduler_caps.reset(caps_token)
 
     scheduler_init.__wrapped__ = original  # inspect.signature shows vLLM's
     return scheduler_init
@@ -1212,7 +1310,7 @@ def find_longest_cache_hit_seam(original: Callable, owner: str) -> Callable:
         except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down; counted and logged
             _fall_back(model, e)
         else:
-            count_enforced(model, result[1], max_cache_hit_length + 1)
+            count_enforced(model, result[1], max_cache_hit_length + 1, len(block_hashes))
             return result
         return original(coordinator, block_hashes, max_cache_hit_length)
 

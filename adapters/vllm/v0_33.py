@@ -16,9 +16,9 @@ Seams (each restored by :func:`kvhit.adapters.vllm.uninstall`):
   Coordinators built anywhere else (the CPU coordinator of ``SimpleCPUOffload``, UMBP's scheduler copy)
   are KV connectors' own copies of the policy and stay stock. A layout is taken whole or not at all: one
   whose write side the spec does not model is left to vLLM entirely, reported once as unmodelled.
-* ``Scheduler.__init__``: tells the coordinator it builds whether the scheduler has a KV connector or
-  auxiliary outputs (a lookup capped below ``N - 1``), which leave the whole layout to vLLM too
-  (:func:`scheduler_stock_reason`).
+* ``Scheduler.__init__``: tells the coordinator it builds whether the scheduler has a KV connector, which
+  leaves the whole layout to vLLM too (:func:`scheduler_stock_reason`), or auxiliary outputs (lookups
+  capped below ``N - 1``: enforced where the cap never binds, :func:`engine.aux_cap_reason`).
 * ``UnitaryKVCacheCoordinator.find_longest_cache_hit`` and ``HybridKVCacheCoordinator.find_longest_cache_hit``:
   the hit of ``KVCacheManager.get_computed_blocks``.
 * ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: the per-group hits of
@@ -96,14 +96,14 @@ def scheduler_stock_reason(vllm_config) -> str | None:
     * A KV connector (``kv_transfer_config``; the scheduler builds it before its KV cache manager): the
       tokens it loads past the local hit, and ``get_computed_blocks_for_connector``'s per-group lookup, are
       not modelled.
-    * Auxiliary outputs (``aux_output_config.enabled``): ``AuxOutputSchedulerConnector.max_cache_hit``
-      caps lookups below ``N - 1``; the spec models only ``N - 1``.
+    Auxiliary outputs (``aux_output_config.enabled``) are not a reason here: their connector's cap
+    (``AuxOutputSchedulerConnector.max_cache_hit``) never binds on a layout whose full-attention group it
+    reads at its block, and the layout decides (:func:`engine.aux_cap_reason`).
 
-    A config it cannot read is a reason too (never less than stock). Never raises
+    A config it cannot read is a reason (never less than stock). Never raises
     (:func:`engine.config_stock_reason`).
     """
-    return engine.config_stock_reason(vllm_config, "their connector caps lookups below N - 1 (max_cache_hit); "
-                                                   "the spec models only N - 1")
+    return engine.config_stock_reason(vllm_config, None)
 
 
 RELEASE = engine.Release(

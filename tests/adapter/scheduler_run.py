@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -74,6 +75,13 @@ MODELS = {
     "llama_mqa_eagle_draft": {**_LLAMA_MQA, "num_hidden_layers": 1},
     "nemotron_h_mtp": _NEMOTRON_H,
     "nemotron_h_mtp_mqa": {**_NEMOTRON_H, **_MQA},
+    # With mixture-of-experts layers (no KV cache of their own): vLLM accepts auxiliary outputs (routed
+    # experts) only for MoE models. A Mixtral of the tiny Llama's attention shapes, and a Nemotron-H.
+    "mixtral": {**_LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": 4, "num_experts_per_tok": 2},
+    "nemotron_h_moe_mtp": {**_NEMOTRON_H, "hybrid_override_pattern": "M*MME", "n_routed_experts": 4,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                           "moe_shared_expert_intermediate_size": 64, "n_group": 1, "topk_group": 1},
 }
 
 
@@ -269,13 +277,27 @@ PREFIX_MATCH_UNIT = {"pmu160-mtp2-drop": 160, "pmu160-mtp1-drop": 160}
 # A modelled layout (eagle-drop's, where enforce and stock differ) under a scheduler with a KV connector, which
 # leaves it wholly to vLLM too: vLLM's ExampleConnector, reading a shared folder that holds nothing, so it
 # never adds a token (vLLM builds a KV connector with a hybrid layout only for connectors that support one).
-# Auxiliary outputs, the other such setting, need an MoE model and model runner V2: not built here.
 SCENARIOS["connector-eagle-drop"] = SCENARIOS["eagle-drop"]
+# Auxiliary outputs (routed experts; vLLM 0.33 accepts them for MoE models on model runner V2, which the CPU
+# platform has): their connector caps each lookup at the leading blocks of the full-attention group it
+# holds rows for. Enforced on the MTP layout (full attention read at its block: the cap never binds below
+# the reference hit), left wholly to vLLM at hash granularity (prefix_match_unit 160: a hit inside a block
+# passes the cap's whole blocks). The stand-in model runner returns a routed-experts row per token.
+SCENARIOS["aux-eagle-drop"] = ("mixtral",) + SCENARIOS["eagle-drop"][1:]
+_MOE_MTP_LAYERS = functools.partial(nemotron_h_mtp_layers, model="nemotron_h_moe_mtp")
+SCENARIOS["aux-mtp2-drop"] = ("nemotron_h_moe_mtp", _MTP2_DROP, _MOE_MTP_LAYERS, 1600,
+                              (8000, 8000, 8000, 11910, 11910) + _MAMBA_SYSTEM)
+SCENARIOS["aux-pmu160-mtp1-drop"] = ("nemotron_h_moe_mtp", _MTP1_DROP, _MOE_MTP_LAYERS, 1600, _FINE_MAMBA_STREAM)
+PREFIX_MATCH_UNIT["aux-pmu160-mtp1-drop"] = 160
 
 
 def _extra_config(name: str, models_dir: str) -> dict:
     """The scenario's ``VllmConfig`` arguments besides the model, cache, parallel, scheduler and speculative
     configs."""
+    if name.startswith("aux-"):
+        from vllm.config import AuxOutputConfig
+
+        return {"aux_output_config": AuxOutputConfig(enable_return_routed_experts=True)}
     if name == "connector-eagle-drop":
         from vllm.config import KVTransferConfig
 
@@ -300,11 +322,27 @@ def build_scheduler(name: str, models_dir: str, prefix_match_unit: int | None = 
     """The ``Scheduler`` of scenario ``name`` and the block hasher ``EngineCore`` gives its requests
     (``prefix_match_unit``: vLLM's ``CacheConfig.prefix_match_unit``, finer prefix-cache keys)."""
     target, speculative, layers_of, block_size, _ = SCENARIOS[name]
-    return build_scheduler_for(SchedulerSetup(
+    setup = SchedulerSetup(
         target=target, speculative=speculative, layers_of=layers_of, block_size=block_size,
         parallel=PARALLEL.get(name, {}), retention=RETENTION.get(name, 0),
         prefix_match_unit=PREFIX_MATCH_UNIT.get(name, prefix_match_unit),
-        extra=lambda: _extra_config(name, models_dir)), models_dir)
+        extra=lambda: _extra_config(name, models_dir))
+    if not name.startswith("aux-"):
+        return build_scheduler_for(setup, models_dir)
+    # vLLM accepts auxiliary outputs on model runner V2 only (VllmConfig checks it; the scheduler reads it
+    # when built); the other scenarios of the process keep V1.
+    saved = os.environ.get(_V2_RUNNER)
+    os.environ[_V2_RUNNER] = "1"
+    try:
+        return build_scheduler_for(setup, models_dir)
+    finally:
+        if saved is None:
+            del os.environ[_V2_RUNNER]
+        else:
+            os.environ[_V2_RUNNER] = saved
+
+
+_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,7 +552,8 @@ def step(scheduler, scheduler_output=None, samples: dict[str, bool] | None = Non
     # A partial prefill chunk samples nothing; otherwise one token, every draft rejected.
     sampled = [[SAMPLED_TOKEN_ID] if samples[r] else [] for r in req_ids]
     engine_outputs = scheduler.update_from_output(scheduler_output, ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled))
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+        **_aux_outputs(scheduler, req_ids)))
     k = scheduler.num_spec_tokens
     if k and not scheduler.scheduler_config.async_scheduling:
         drafting = [r for r in req_ids if r in scheduler.requests]
@@ -522,11 +561,27 @@ def step(scheduler, scheduler_output=None, samples: dict[str, bool] | None = Non
     return scheduler_output, engine_outputs
 
 
+def _aux_outputs(scheduler, req_ids) -> dict:
+    """The stand-in worker's auxiliary outputs for a step, with a scheduler that has them: every scheduled
+    request's routed-experts rows from its first token (one row a token, as many as any request has)."""
+    if getattr(scheduler, "aux_output_connector", None) is None:
+        return {}
+    import numpy as np
+    from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+
+    rows = np.zeros((scheduler.vllm_config.model_config.max_model_len + 64, 1), dtype=np.int16)
+    return {"aux_output_connector_output": {r: AuxRequestOutput(token_start=0, rows=rows) for r in req_ids}}
+
+
 def serve(scheduler, block_hasher, request_id: str, tokens: list[int], trace: list) -> dict:
     """Add one request and step the scheduler until it finishes; returns its ``num_cached_tokens`` and the
     pool's boundaries for its prompt at admission."""
     request = new_request(request_id, tokens, block_hasher)
     retained = _retained(scheduler, request)
+    aux = getattr(scheduler, "aux_output_connector", None)
+    # The cap auxiliary outputs put on its lookup (vLLM's own max_cache_hit, which the scheduler calls again
+    # at admission: it only refreshes its store's LRU order, the same in every run)
+    aux_cap = None if aux is None else aux.max_cache_hit(request)
     scheduler.add_request(request)
     num_cached_tokens = None
     while scheduler.has_unfinished_requests():
@@ -537,7 +592,8 @@ def serve(scheduler, block_hasher, request_id: str, tokens: list[int], trace: li
                 num_cached_tokens = o["prefill_stats"]["num_cached_tokens"]
     assert num_cached_tokens is not None, f"{request_id}: no EngineCoreOutput carried prefill_stats"
     return {"prompt_len": len(tokens), "num_cached_tokens": num_cached_tokens, "retained": retained,
-            "shared_prefix_boundary": request.shared_prefix_boundary}
+            "shared_prefix_boundary": request.shared_prefix_boundary,
+            **({} if aux is None else {"aux_cap": aux_cap})}
 
 
 def run_scenario(name: str, models_dir: str) -> dict:

@@ -46,6 +46,11 @@ EXPECTED_SETUP = {
                        [("FullAttentionSpec", 16, True, False, 1), ("FullAttentionSpec", 16, True, True, 1),
                         ("SlidingWindowSpec", 16, True, False, 1)]),
 }
+# Auxiliary outputs (MoE targets on model runner V2: a Mixtral with the Llama's EAGLE draft, a Nemotron-H with
+# an MoE layer): their connector caps each lookup at full attention's leading blocks, which never binds below
+# the reference hit, so the layouts are enforced (scheduler_run, "aux-*").
+EXPECTED_SETUP["aux-eagle-drop"] = EXPECTED_SETUP["eagle-drop"]
+EXPECTED_SETUP["aux-mtp2-drop"] = EXPECTED_SETUP["mtp2-drop"]
 for _dcp in (2, 4, 8):
     for _mode in ("drop", "lookahead"):
         EXPECTED_SETUP[f"mtp2-{_mode}-dcp{_dcp}"] = (
@@ -174,7 +179,8 @@ def test_enforce_reports_the_reference_num_cached_tokens_and_stock_vllm_0_33s(ru
                 f"pool held {served['retained']}")
 
 
-@pytest.mark.parametrize("scenario", ["eagle-drop", "eagle-drop-dcp2", "eagle-drop-dcp4", "eagle-drop-dcp8"])
+@pytest.mark.parametrize("scenario", ["eagle-drop", "eagle-drop-dcp2", "eagle-drop-dcp4", "eagle-drop-dcp8",
+                                      "aux-eagle-drop"])
 def test_enforce_keeps_the_eagle_block_stock_vllm_drops(runs, scenario):
     """F2 through the scheduler: EAGLE drop, one full-attention group of block 16 (32, 64, 128 tokens across
     the DCP ranks), a block-aligned prompt. On the same cache the two policies differ, so this case tells
@@ -192,7 +198,8 @@ _FIRST_REPEATS = [pytest.param(s, n, id=f"{s}-N{n}") for s, n in (
     # The decode steps cache the full-attention block 6400-8000, so a resend can resume at 6400: the
     # reference keeps that Mamba state too (refimpl.resume_points on the decoded cache). Before it did,
     # enforce got 4800 here where stock vLLM gets 6400.
-    ("mtp2-drop", 8000), ("swa-eagle-drop", 1000)) + tuple(
+    ("mtp2-drop", 8000), ("swa-eagle-drop", 1000), ("aux-eagle-drop", 1024), ("aux-mtp2-drop", 8000),
+    ("aux-mtp2-drop", 11910)) + tuple(
     (f"{label}-drop-dcp{dcp}", 1024) for label in ("eagle", "eagle-replicated") for dcp in (2, 4, 8)) + tuple(
     # Under DCP the full-attention block (3200 at DCP 2) exceeds the hash unit 1600: the decode step leaves a
     # partial-tail entry at 8000, so a resend resumes at 6400 (stock vLLM too). The reference keeps that Mamba
@@ -226,6 +233,19 @@ def test_enforce_never_gives_less_than_stock_to_prompts_sharing_a_system_prompt(
     on_system_prompt = R.hit(layout, speculation, n, [shared - sizes.hash_lookahead] * len(sizes.groups),
                              "reference")
     assert on_system_prompt > 0 and [e for _, e in hits[2:4]] == [on_system_prompt] * 2, (scenario, hits)
+
+
+def test_auxiliary_outputs_cap_lookups_below_n_minus_1_and_enforce_answers_them(runs):
+    """The aux-* scenarios' lookups are capped (``AuxOutputSchedulerConnector.max_cache_hit``, recorded at
+    admission) below ``N - 1`` where full attention holds fewer blocks, and enforce answers every lookup
+    (none falls back to vLLM's code) with the reference hit (the tests above; on aux-eagle-drop that hit is
+    not stock vLLM's, so the layout is enforced, not left to vLLM)."""
+    capped = [s for name in ("aux-eagle-drop", "aux-mtp2-drop")
+              for s in runs["enforce"][0]["scenarios"][name]["served"] if s["aux_cap"] < s["prompt_len"] - 1]
+    assert len(capped) >= 3 and any(s["num_cached_tokens"] > 0 for s in capped), capped
+    assert all(s["num_cached_tokens"] <= s["aux_cap"] for s in capped), capped
+    counters = runs["enforce"][0]["kvhit_counters"]
+    assert counters["kvhit_enforce_fallbacks"] == 0, counters
 
 
 def test_kvhit_mode_off_leaves_the_scheduler_byte_identical_to_stock(runs):

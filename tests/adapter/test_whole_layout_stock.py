@@ -35,6 +35,10 @@ HASH_GRANULAR = engine.FINE_MAMBA_MTP_DROP
 # scenario -> (what the unmodelled reason names, the catalogue layout it is)
 SCENARIOS = {
     "connector-eagle-drop": ("KV connector", "llama_eagle"),
+    # Auxiliary outputs cap each lookup at the leading whole blocks of full attention, which a hit inside a
+    # block passes (prefix_match_unit 160 on 1600-token blocks); without them the layout is enforced
+    # (tests/adapter/test_fine_mamba.py)
+    "aux-pmu160-mtp1-drop": ("auxiliary outputs", "qwen3next_pmu160"),
 }
 MODES = ("stock", "shadow", "enforce")
 
@@ -239,16 +243,21 @@ def test_dense_retention_on_a_layout_without_sliding_window_or_mamba_is_modelled
     assert harness.probe(tokens)["hit"] == 1008  # stock vLLM: 992
 
 
-def test_a_scheduler_with_a_kv_connector_or_auxiliary_outputs_leaves_its_layout_stock():
-    """What ``Scheduler.__init__`` tells the coordinator it builds (the real scheduler with a KV connector
-    is in the tests above; auxiliary outputs need an MoE model and model runner V2, so a stand-in config)."""
+def test_a_scheduler_with_a_kv_connector_leaves_its_layout_stock_and_auxiliary_outputs_let_the_layout_decide():
+    """What ``Scheduler.__init__`` tells the coordinator it builds (the real schedulers are in the tests
+    above and in tests/adapter/test_scheduler_plugin.py, "aux-*"): on vLLM 0.33 a KV connector is a reason,
+    auxiliary outputs are not (their cap is checked on the layout, :func:`engine.aux_cap_reason`); vLLM
+    0.32's auxiliary outputs stay a reason (their replayed rows are not modelled)."""
+    from kvhit.adapters.vllm import v0_32
+
     aux_off, aux_on = (types.SimpleNamespace(enabled=enabled) for enabled in (False, True))
     plain = types.SimpleNamespace(kv_transfer_config=None, aux_output_config=aux_off)
     assert v0_33.scheduler_stock_reason(plain) is None
     assert "KV connector" in v0_33.scheduler_stock_reason(
         types.SimpleNamespace(kv_transfer_config=object(), aux_output_config=aux_off))
-    assert "below N - 1" in v0_33.scheduler_stock_reason(
-        types.SimpleNamespace(kv_transfer_config=None, aux_output_config=aux_on))
+    with_aux = types.SimpleNamespace(kv_transfer_config=None, aux_output_config=aux_on)
+    assert v0_33.scheduler_stock_reason(with_aux) is None and engine.aux_outputs_enabled(with_aux)
+    assert "auxiliary outputs" in v0_32.scheduler_stock_reason(with_aux)
 
     class Unreadable:
         kv_transfer_config = None
@@ -274,3 +283,52 @@ def test_a_kv_cache_manager_outside_a_scheduler_keeps_its_layout_enforced():
     capped = coordinator.find_longest_cache_hit(request.block_hashes, 5000)
     stock = v0_33.ORIGINAL.hybrid_find(coordinator, request.block_hashes, 5000)
     assert capped[1] == stock[1] and capped[2] == stock[2]
+
+
+@pytest.mark.parametrize("name, mode, k", [("qwen3next", "drop", 2), ("llama_eagle", "drop", 1),
+                                           ("gemma", "none", 0), ("full16", "lookahead", 1)])
+def test_a_capped_lookup_of_a_capped_layout_is_the_references_maximum_within_the_cap(name, mode, k):
+    """On a layout whose scheduler caps lookups (auxiliary outputs: ``CoordinatorModel.capped``), a lookup
+    capped at ``M`` below ``N - 1`` answers the longest multiple of ``A`` at most ``min(M, |H| * h)`` that
+    every group serves (``refimpl.reference_pass`` with that bound, on the pool the lookup reads), with
+    vLLM's blocks for it, wherever that is the uncapped maximum (the same maximum over fewer lengths); where
+    the cap binds below it, vLLM's own code answers and the fallback is counted. The two kinds of cap occur
+    here: the reference is below every cap from the hit up, and above every cap below it."""
+    import dataclasses
+
+    assert kvhit_vllm.install("enforce")
+    n = 11910 if name == "qwen3next" else 1000
+    harness = VllmHarness(harness_layout(name), mode, num_speculative_tokens=max(k, 1), multi_module_mtp=k > 1,
+                          retention_interval=0, max_model_len=n + 4000)
+    coordinator = harness.manager.coordinator
+    model = engine._models[coordinator]
+    engine._models[coordinator] = dataclasses.replace(model, capped=True)
+    tokens = [random.Random(n).randrange(1, 50000) for _ in range(n)]
+    harness.serve(tokens)
+    harness.evict(3)
+    request = harness._new_request(tokens)
+    hashes = request.block_hashes
+    sizes, covered = model.sizes, len(hashes) * model.sizes.hash_block
+    original = (v0_33.ORIGINAL.unitary_find if sizes.unitary else v0_33.ORIGINAL.hybrid_find)
+    kinds = set()
+    for cap in range(0, n - 1, max(1, sizes.alignment // 3)):
+        if R.num_hashes(sizes, cap + 1) == len(hashes):
+            continue  # the cap of a shorter prompt with these hashes: N - 1 for it
+        cache = engine.pool_cache(coordinator, hashes, model)
+        bound = min(cap, covered)
+        want = R.reference_pass(cache, sizes, bound, R.group_extents(cache, sizes, covered), covered, R.REFERENCE)
+        uncapped = R.hit_tokens(engine.pool_cache(coordinator, hashes, model), sizes, n, R.REFERENCE)
+        before = _fallbacks()
+        _, hit, _ = coordinator.find_longest_cache_hit(hashes, cap)
+        if uncapped[2] <= cap:  # the hit and the shared prefix within the cap
+            kinds.add("within")
+            assert hit == want == uncapped[0] and _fallbacks() == before, (cap, hit, want, uncapped)
+        else:
+            kinds.add("binds")
+            assert _fallbacks() == before + 1 and hit == original(coordinator, hashes, cap)[1], cap
+    assert kinds == {"within", "binds"}, kinds
+
+
+def _fallbacks() -> float:
+    return sum(s.value for m in REGISTRY.collect() if m.name == "kvhit_enforce_fallbacks"
+               for s in m.samples if s.name.endswith("_total"))
