@@ -94,7 +94,7 @@ def test_an_undecided_check_is_an_error_not_identical(monkeypatch):
     from kvhit.proofs import diff as diff_module
     from kvhit.proofs import model
 
-    monkeypatch.setattr(model, "PORTFOLIO", ((2, 1),))  # one resource unit: no check is decided
+    monkeypatch.setattr(model, "PORTFOLIO", ((2, 1, False),))  # one resource unit: no check is decided
     config = domain(["gemma"], ["drop"])[0]
     with pytest.raises(diff_module.Undecided, match="UNKNOWN"):
         diff_module.diff_one(VLLM_0_33, REFERENCE, config)
