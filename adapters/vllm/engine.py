@@ -1170,7 +1170,8 @@ def config_stock_reason(vllm_config, aux_outputs: str | None) -> str | None:
         if getattr(vllm_config, "kv_transfer_config", None) is not None:
             return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
                     "per-group local lookup are not modelled")
-        if aux_outputs_enabled(vllm_config) and aux_outputs is not None:  # read either way: unreadable is a reason
+        # read even where the release models them: a config that cannot say is a reason
+        if aux_outputs_enabled(vllm_config) and aux_outputs is not None:
             return f"the scheduler has auxiliary outputs (aux_output_config): {aux_outputs}"
     except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
         return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
@@ -1194,7 +1195,7 @@ def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> 
     sg = model.sizes.groups[model.spec_group_of[gid]]
     if sg.kind is Kind.FULL and not sg.fine:
         return None
-    kind = "full attention with partial hits" if sg.kind is Kind.FULL else f"{sg.kind.value}"
+    kind = "full attention with partial hits" if sg.kind is Kind.FULL else sg.kind.value
     return (f"the scheduler has auxiliary outputs (aux_output_config), whose cap on each lookup "
             f"(max_cache_hit) is the leading blocks of KV-cache group {gid}, {kind} here: it can cap below "
             "the reference hit, and the spec models no cap below N - 1")
