@@ -1174,8 +1174,13 @@ def config_stock_reason(vllm_config, aux_outputs: str | None) -> str | None:
         if aux_outputs_enabled(vllm_config) and aux_outputs is not None:
             return f"the scheduler has auxiliary outputs (aux_output_config): {aux_outputs}"
     except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
-        return f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
+        return _unreadable_config(e)
     return None
+
+
+def _unreadable_config(error: Exception) -> str:
+    """The reason a scheduler whose config kvhit could not read leaves its layout to vLLM."""
+    return f"kvhit could not read the scheduler's config ({type(error).__name__}: {error})"
 
 
 def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> str | None:
@@ -1215,7 +1220,7 @@ def scheduler_init_seam(original: Callable, stock_reason: Callable[[object], str
             try:
                 caps = aux_outputs_enabled(vllm_config)
             except Exception as e:  # noqa: BLE001 - never raise inside vLLM's constructor; never less than stock
-                reason = f"kvhit could not read the scheduler's config ({type(e).__name__}: {e})"
+                reason = _unreadable_config(e)
         token, caps_token = _scheduler_stock.set(reason), _scheduler_caps.set(caps)
         try:
             original(self, *args, **kwargs)

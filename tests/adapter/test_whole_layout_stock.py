@@ -16,6 +16,7 @@ the Mamba group does not drop, and enforce owns those layouts, ``tests/adapter/t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import types
@@ -294,8 +295,6 @@ def test_a_capped_lookup_of_a_capped_layout_is_the_references_maximum_within_the
     vLLM's blocks for it, wherever that is the uncapped maximum (the same maximum over fewer lengths); where
     the cap binds below it, vLLM's own code answers and the fallback is counted. The two kinds of cap occur
     here: the reference is below every cap from the hit up, and above every cap below it."""
-    import dataclasses
-
     assert kvhit_vllm.install("enforce")
     n = 11910 if name == "qwen3next" else 1000
     harness = VllmHarness(harness_layout(name), mode, num_speculative_tokens=max(k, 1), multi_module_mtp=k > 1,
