@@ -47,8 +47,9 @@ MODE_MEANING = {
               "they differ",
     "enforce": "the scheduler's prefix-cache hit length is kvhit's reference hit; vLLM provides the blocks",
 }
-ALWAYS_STOCK = ("any layout kvhit cannot enforce whole (a write side the spec does not model, a KV connector, "
-                "auxiliary outputs whose cap can bind): wholly, reported as not modelled")
+ALWAYS_STOCK = ("any layout kvhit cannot enforce whole (a write side the spec does not model, a KV connector "
+                "unchecked or beside a sliding window, chunked local attention or Mamba, auxiliary outputs whose "
+                "cap can bind): wholly, reported as not modelled")
 KIND_NAMES = {"full": "full attention", "swa": "sliding window", "mamba": "Mamba", "chunked": "chunked local"}
 NOT_COUNTED = "not counted (start vllm serve with KVHIT_COUNT_GAINS=1 to count them in enforce)"
 NO_COUNTERS = ("no kvhit counters on /metrics: kvhit is off there, or vllm serve was started without "

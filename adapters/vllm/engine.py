@@ -1097,8 +1097,9 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
 
         kvhit takes a layout whole or not at all: a layout whose write side the spec does not model
         (``CoordinatorModel.write_note``), or one built by a scheduler whose config leaves it to vLLM (a KV
-        connector, auxiliary outputs whose cap can bind: :func:`scheduler_init_seam`,
-        :func:`aux_cap_reason`), is left to vLLM in every mode, read side
+        connector beside a group that is not full attention read at its block, auxiliary outputs whose cap
+        can bind: :func:`scheduler_init_seam`, :func:`connector_reason`, :func:`aux_cap_reason`), is left to
+        vLLM in every mode, read side
         and write side, and reported as an unmodelled layout: the reference read side on vLLM's write side
         would not give what the reference promises (the first repeat hits what the second does), and
         shadow's counters say what enforce does.
@@ -1111,13 +1112,13 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
             if model.write is None:
                 raise Unmodelled(f"{model.label}: the spec does not model its write side ({model.write_note}); "
                                  "kvhit does not enforce a read side without its write side")
-            scheduler_reason = _scheduler_stock.get()
-            if scheduler_reason is not None:
-                raise Unmodelled(f"{model.label}: {scheduler_reason}")
-            if _scheduler_caps.get():
-                aux_reason = aux_cap_reason(coordinator, model)
-                if aux_reason is not None:
-                    raise Unmodelled(f"{model.label}: {aux_reason}")
+            facts = _scheduler.get()
+            reasons = (facts.stock_reason, facts.caps and aux_cap_reason(coordinator, model),
+                       facts.connector and connector_reason(model, facts.connector))
+            reason = next((r for r in reasons if r), None)
+            if reason is not None:
+                raise Unmodelled(f"{model.label}: {reason}")
+            if facts.caps:
                 model = dataclasses.replace(model, capped=True)
         except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
             why = str(e) if isinstance(e, Unmodelled) else (
@@ -1141,14 +1142,29 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
     return get_kv_cache_coordinator
 
 
-# Set while Scheduler.__init__ runs (and so while it builds its KVCacheManager): why that scheduler's layout
-# is left to vLLM whatever it is (None: nothing in its config says so). Unset outside a scheduler: a
+@dataclasses.dataclass(frozen=True)
+class SchedulerFacts:
+    """What a scheduler's config says about the layout it builds, known while ``Scheduler.__init__`` runs
+    (:func:`scheduler_init_seam`: the scheduler makes its KV connector and its auxiliary-output connector
+    before its ``KVCacheManager``).
+
+    Attributes:
+        stock_reason: Why the whole layout is left to vLLM whatever it is, or None.
+        caps: Whether auxiliary outputs cap its lookups below ``N - 1`` (the layout decides:
+            :func:`aux_cap_reason`).
+        connector: Its KV connector (``kv_transfer_config.kv_connector``), or None (the layout decides:
+            :func:`connector_reason`).
+    """
+
+    stock_reason: str | None = None
+    caps: bool = False
+    connector: str | None = None
+
+
+# Set while Scheduler.__init__ runs (and so while it builds its KVCacheManager). Unset outside a scheduler: a
 # KVCacheManager built on its own (tests, vLLM's unit tests) has no connector the adapter could know of.
-_scheduler_stock: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvhit_scheduler_stock",
-                                                                              default=None)
-# Set beside it: whether that scheduler caps its lookups below N - 1 (auxiliary outputs, where the release
-# models their cap: :func:`aux_cap_reason`).
-_scheduler_caps: contextvars.ContextVar[bool] = contextvars.ContextVar("kvhit_scheduler_caps", default=False)
+_scheduler: contextvars.ContextVar[SchedulerFacts] = contextvars.ContextVar("kvhit_scheduler",
+                                                                            default=SchedulerFacts())
 
 
 def aux_outputs_enabled(vllm_config) -> bool:
@@ -1158,29 +1174,74 @@ def aux_outputs_enabled(vllm_config) -> bool:
     return aux is not None and bool(aux.enabled)
 
 
-def config_stock_reason(vllm_config, aux_outputs: str | None) -> str | None:
-    """Why a scheduler built from ``vllm_config`` leaves its whole layout to vLLM, or None: a KV connector
-    (``kv_transfer_config``; the scheduler builds it before its KV cache manager: the tokens it loads past
-    the local hit and ``get_computed_blocks_for_connector``'s per-group lookup are not modelled), or
-    auxiliary outputs (:func:`aux_outputs_enabled`) where the release does not model them, with
-    ``aux_outputs`` its reason (None: the release models their cap, and the layout decides:
-    :func:`aux_cap_reason`). A config it cannot read is a reason too (never less than stock). Never
-    raises."""
+def scheduler_facts(vllm_config, aux_outputs: str | None) -> SchedulerFacts:
+    """What a scheduler built from ``vllm_config`` says about its layout: its KV connector
+    (``kv_transfer_config``) and whether auxiliary outputs (:func:`aux_outputs_enabled`) cap its lookups,
+    which the layout then decides on, or a reason that leaves the whole layout to vLLM: auxiliary outputs
+    where the release does not model them, with ``aux_outputs`` its reason (None: the release models their
+    cap). A config it cannot read is a reason too (never less than stock). Never raises."""
     try:
-        if getattr(vllm_config, "kv_transfer_config", None) is not None:
-            return ("the scheduler has a KV connector (kv_transfer_config): the tokens it loads and its "
-                    "per-group local lookup are not modelled")
-        # read even where the release models them: a config that cannot say is a reason
-        if aux_outputs_enabled(vllm_config) and aux_outputs is not None:
-            return f"the scheduler has auxiliary outputs (aux_output_config): {aux_outputs}"
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        connector = None if transfer is None else _connector_name(transfer)
+        caps = aux_outputs_enabled(vllm_config)  # read even where the release does not model them
     except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
-        return _unreadable_config(e)
-    return None
+        return SchedulerFacts(stock_reason=_unreadable_config(e))
+    if caps and aux_outputs is not None:
+        return SchedulerFacts(stock_reason=f"the scheduler has auxiliary outputs (aux_output_config): {aux_outputs}")
+    return SchedulerFacts(caps=caps, connector=connector)
+
+
+def _connector_name(kv_transfer_config) -> str:
+    """How a KV connector is named in kvhit's reasons: its class name (``kv_connector``), with the module
+    it is loaded from when that is not vLLM's registry (``kv_connector_module_path``): a class of that name
+    from elsewhere is not the one kvhit checked."""
+    name = str(getattr(kv_transfer_config, "kv_connector", None) or "unnamed")
+    module = getattr(kv_transfer_config, "kv_connector_module_path", None)
+    return name if module is None else f"{name} from {module}"
 
 
 def _unreadable_config(error: Exception) -> str:
     """The reason a scheduler whose config kvhit could not read leaves its layout to vLLM."""
     return f"kvhit could not read the scheduler's config ({type(error).__name__}: {error})"
+
+
+# KV connectors whose answer never shortens what a request starts with when its local hit grows: vLLM adds the
+# local hit and the tokens the connector loads past it, and for these the sum is non-decreasing in the local
+# hit (vLLM 0.33.0's scheduler side: ExampleConnector loads up to its stored prefix, or nothing;
+# DecodeBenchConnector fills up to N - 1; SimpleCPUOffloadConnector loads the run its CPU pool holds from the
+# local hit on). Each is driven through vLLM's real Scheduler by tests/adapter/test_connectors.py. Others are
+# not: OffloadingConnector loads nothing short of a whole chunk from the local hit, MultiConnector takes its
+# first child that loads anything, NixlConnector's decode side loads nothing under a recompute threshold, so
+# a longer local hit can end with less, and a connector kvhit has not read may do anything.
+CHECKED_CONNECTORS = frozenset({"ExampleConnector", "DecodeBenchConnector", "SimpleCPUOffloadConnector"})
+
+
+def connector_reason(model: CoordinatorModel, connector: str) -> str | None:
+    """Why a KV connector (``SchedulerFacts.connector``) leaves ``model``'s layout to vLLM, or None: a
+    connector of :data:`CHECKED_CONNECTORS` where every group is full attention looked up at its block.
+
+    vLLM's scheduler hands the connector the local hit (the reference's, under enforce: at least stock's
+    on the same cache) and starts the request at the local hit plus the tokens the connector loads past
+    it, which for a checked connector is never less than with stock's local hit. On full attention the
+    write side caches every whole block a request has, computed or loaded, wherever it started, and kvhit
+    changes nothing of it: the first repeat's local hit is the reference's on a cache holding the prompt's
+    blocks, as without a connector (full attention alone is always looked up at its block: partial hits
+    need a Mamba group). Beside a sliding-window, chunked-local or Mamba group, where the request starts
+    decides which window blocks and Mamba states it leaves, while the spec's write side starts every
+    request at its local hit: the spec models no connector there, and the layout is left to vLLM."""
+    if connector not in CHECKED_CONNECTORS:
+        return (f"the scheduler has a KV connector ({connector}) kvhit has not checked: a longer local hit "
+                "may make it load less, and the total less than stock's")
+    lagging = sorted({_KIND_NAMES[g.kind] for g in model.sizes.groups if g.kind is not Kind.FULL})
+    if not lagging:
+        return None
+    kinds = f"a {lagging[0]} group" if len(lagging) == 1 else f"{' and '.join(lagging)} groups"
+    return (f"the scheduler has a KV connector ({connector}) beside {kinds}, where the tokens it loads decide "
+            "which states exist: the spec's write side starts every request at its local hit and models no "
+            "connector")
+
+
+_KIND_NAMES = {Kind.SWA: "sliding-window", Kind.MAMBA: "Mamba", Kind.CHUNKED: "chunked-local"}
 
 
 def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> str | None:
@@ -1206,27 +1267,20 @@ def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> 
             "the reference hit, and the spec models no cap below N - 1")
 
 
-def scheduler_init_seam(original: Callable, stock_reason: Callable[[object], str | None]) -> Callable:
-    """``Scheduler.__init__`` (``original``), with ``stock_reason(vllm_config)`` (why a scheduler built from
-    that config leaves its whole layout to vLLM, or None; it never raises) known to
-    :func:`get_kv_cache_coordinator_seam`'s replacement while the scheduler builds its KV cache manager."""
+def scheduler_init_seam(original: Callable, facts_of: Callable[[object], SchedulerFacts]) -> Callable:
+    """``Scheduler.__init__`` (``original``), with ``facts_of(vllm_config)`` (what a scheduler built from
+    that config says about its layout; it never raises) known to :func:`get_kv_cache_coordinator_seam`'s
+    replacement while the scheduler builds its KV cache manager."""
 
     def scheduler_init(self, *args, **kwargs) -> None:
-        """``Scheduler.__init__``, with why its config leaves the layout to vLLM known while it builds the
-        KV cache manager."""
+        """``Scheduler.__init__``, with what its config says about the layout known while it builds the KV
+        cache manager."""
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
-        reason, caps = stock_reason(vllm_config), False
-        if reason is None:  # stock_reason has read the field; a config it could not read gives a reason
-            try:
-                caps = aux_outputs_enabled(vllm_config)
-            except Exception as e:  # noqa: BLE001 - never raise inside vLLM's constructor; never less than stock
-                reason = _unreadable_config(e)
-        token, caps_token = _scheduler_stock.set(reason), _scheduler_caps.set(caps)
+        token = _scheduler.set(facts_of(vllm_config))
         try:
             original(self, *args, **kwargs)
         finally:
-            _scheduler_stock.reset(token)
-            _scheduler_caps.reset(caps_token)
+            _scheduler.reset(token)
 
     scheduler_init.__wrapped__ = original  # inspect.signature shows vLLM's
     return scheduler_init
@@ -1785,15 +1839,15 @@ def capture_originals() -> Originals:
     return Originals(*(vars(owner)[name] for owner, name in _shared_owners()))
 
 
-def shared_seams(original: Originals, release: Release, stock_reason: Callable[[object], str | None],
+def shared_seams(original: Originals, release: Release, facts_of: Callable[[object], SchedulerFacts],
                  checkpoint_position: Callable[[Callable], Callable]) -> tuple:
     """``(owner, attribute, vLLM's original, kvhit's replacement)`` of every seam of :class:`Originals`, made
-    by this module's factories for ``release``: ``stock_reason`` is the release's
-    :func:`scheduler_init_seam` reason and ``checkpoint_position(original)`` its wrapper of
+    by this module's factories for ``release``: ``facts_of`` is the release's :func:`scheduler_init_seam`
+    reading of a scheduler's config and ``checkpoint_position(original)`` its wrapper of
     ``get_mamba_prefill_checkpoint_position`` (whose parameters differ between releases)."""
     replacements = Originals(
         get_coordinator=get_kv_cache_coordinator_seam(original.get_coordinator, release),
-        scheduler_init=scheduler_init_seam(original.scheduler_init, stock_reason),
+        scheduler_init=scheduler_init_seam(original.scheduler_init, facts_of),
         unitary_find=find_longest_cache_hit_seam(original.unitary_find, "UnitaryKVCacheCoordinator"),
         hybrid_find=find_longest_cache_hit_seam(original.hybrid_find, "HybridKVCacheCoordinator"),
         hybrid_per_group=hybrid_find_longest_cache_hit_per_group_seam(original.hybrid_per_group),

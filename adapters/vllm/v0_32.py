@@ -23,7 +23,7 @@ same engine factories, plus one write-side seam of this release's own. What diff
   (the Mamba manager's, which the seam replaces) and ``sched/scheduler.py:60`` (the scheduler's, left alone).
 * **No lookup cap below ``N - 1``**: ``KVCacheManager.get_computed_blocks(request)`` always looks up at
   ``request.num_tokens - 1`` (``kv_cache_manager.py:264``, ``:295``); 0.32's ``AuxOutputSchedulerConnector``
-  has no ``max_cache_hit``. Auxiliary outputs still leave the layout to vLLM (:func:`scheduler_stock_reason`).
+  has no ``max_cache_hit``. Auxiliary outputs still leave the layout to vLLM (:func:`scheduler_facts`).
 * Stock's policy is refimpl's ``vllm_0_32``.
 """
 
@@ -72,19 +72,19 @@ def stock_reachable_boundaries(coordinator: KVCacheCoordinator, manager, request
                                          bool(coordinator.eagle_group_ids)), *junctions]
 
 
-def scheduler_stock_reason(vllm_config) -> str | None:
-    """Why a vLLM 0.32 scheduler built from ``vllm_config`` leaves its whole layout to vLLM, or None.
+def scheduler_facts(vllm_config) -> engine.SchedulerFacts:
+    """What a vLLM 0.32 scheduler built from ``vllm_config`` says about its layout
+    (:func:`engine.scheduler_facts`).
 
-    * A KV connector (``kv_transfer_config``; the scheduler builds it before its KV cache manager): the
-      tokens it loads past the local hit, and ``get_computed_blocks_for_connector``'s per-group lookup, are
-      not modelled.
-    * Auxiliary outputs (``aux_output_config.enabled``): 0.32's connector does not cap lookups, but the
-      routed-experts rows it replays for a cached prefix come from a worker-side store kvhit has not read
-      against a hit longer than stock's; left to vLLM until it has (never less than stock).
+    * A KV connector: the layout decides, as on 0.33 (0.32's scheduler hands it the local hit the same
+      way): :func:`engine.connector_reason`.
+    * Auxiliary outputs (``aux_output_config.enabled``) leave the whole layout to vLLM: 0.32's connector
+      does not cap lookups, but the routed-experts rows it replays for a cached prefix come from a
+      worker-side store kvhit has not read against a hit longer than stock's (never less than stock).
 
-    A config it cannot read is a reason too. Never raises (:func:`engine.config_stock_reason`).
+    A config it cannot read is a reason too. Never raises.
     """
-    return engine.config_stock_reason(vllm_config, "their rows for a cached prefix are not modelled on vLLM 0.32")
+    return engine.scheduler_facts(vllm_config, "their rows for a cached prefix are not modelled on vLLM 0.32")
 
 
 RELEASE = engine.Release(
@@ -126,7 +126,7 @@ def manager_cache_blocks(self: SingleTypeKVCacheManager, request, num_tokens: in
 # --------------------------------------------------------------------------------------------------
 
 SEAMS: tuple[tuple[object, str, object, Callable], ...] = engine.shared_seams(
-    ORIGINAL, RELEASE, scheduler_stock_reason, _checkpoint_position) + (
+    ORIGINAL, RELEASE, scheduler_facts, _checkpoint_position) + (
     (SingleTypeKVCacheManager, "cache_blocks", _ORIGINAL_MANAGER_CACHE_BLOCKS, manager_cache_blocks),
 )
 """(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""

@@ -16,9 +16,10 @@ Seams (each restored by :func:`kvhit.adapters.vllm.uninstall`):
   Coordinators built anywhere else (the CPU coordinator of ``SimpleCPUOffload``, UMBP's scheduler copy)
   are KV connectors' own copies of the policy and stay stock. A layout is taken whole or not at all: one
   whose write side the spec does not model is left to vLLM entirely, reported once as unmodelled.
-* ``Scheduler.__init__``: tells the coordinator it builds whether the scheduler has a KV connector, which
-  leaves the whole layout to vLLM too (:func:`scheduler_stock_reason`), or auxiliary outputs (lookups
-  capped below ``N - 1``: enforced where the cap never binds, :func:`engine.aux_cap_reason`).
+* ``Scheduler.__init__``: tells the coordinator it builds whether the scheduler has a KV connector
+  (enforced where every group is full attention read at its block, :func:`engine.connector_reason`) or
+  auxiliary outputs (lookups capped below ``N - 1``: enforced where the cap never binds,
+  :func:`engine.aux_cap_reason`); elsewhere the whole layout is left to vLLM (:func:`scheduler_facts`).
 * ``UnitaryKVCacheCoordinator.find_longest_cache_hit`` and ``HybridKVCacheCoordinator.find_longest_cache_hit``:
   the hit of ``KVCacheManager.get_computed_blocks``.
 * ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: the per-group hits of
@@ -90,20 +91,18 @@ def stock_reachable_boundaries(coordinator: KVCacheCoordinator, manager, request
     return reachable
 
 
-def scheduler_stock_reason(vllm_config) -> str | None:
-    """Why a vLLM 0.33 scheduler built from ``vllm_config`` leaves its whole layout to vLLM, or None.
+def scheduler_facts(vllm_config) -> engine.SchedulerFacts:
+    """What a vLLM 0.33 scheduler built from ``vllm_config`` says about its layout
+    (:func:`engine.scheduler_facts`).
 
-    * A KV connector (``kv_transfer_config``; the scheduler builds it before its KV cache manager): the
-      tokens it loads past the local hit, and ``get_computed_blocks_for_connector``'s per-group lookup, are
-      not modelled.
-    Auxiliary outputs (``aux_output_config.enabled``) are not a reason here: their connector's cap
+    Neither a KV connector nor auxiliary outputs leave a layout to vLLM by themselves; the layout decides.
+    A connector is handed the local hit and loads past it, which leaves full attention's write side as it
+    is (:func:`engine.connector_reason`); the auxiliary-output connector's cap
     (``AuxOutputSchedulerConnector.max_cache_hit``) never binds on a layout whose full-attention group it
-    reads at its block, and the layout decides (:func:`engine.aux_cap_reason`).
-
-    A config it cannot read is a reason (never less than stock). Never raises
-    (:func:`engine.config_stock_reason`).
+    reads at its block (:func:`engine.aux_cap_reason`). A config it cannot read is a reason (never less
+    than stock). Never raises.
     """
-    return engine.config_stock_reason(vllm_config, None)
+    return engine.scheduler_facts(vllm_config, None)
 
 
 RELEASE = engine.Release(
@@ -134,5 +133,5 @@ def _checkpoint_position(original: Callable) -> Callable:
 # --------------------------------------------------------------------------------------------------
 
 SEAMS: tuple[tuple[object, str, object, Callable], ...] = engine.shared_seams(
-    ORIGINAL, RELEASE, scheduler_stock_reason, _checkpoint_position)
+    ORIGINAL, RELEASE, scheduler_facts, _checkpoint_position)
 """(owner, attribute, vLLM's original, kvhit's replacement) for every attribute kvhit replaces."""

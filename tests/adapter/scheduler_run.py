@@ -38,6 +38,7 @@ import json
 import os
 import random
 import sys
+import types
 from collections.abc import Callable
 
 # Token ids the stand-in model runner produces; prompts avoid them (see ``_prompt``).
@@ -274,10 +275,29 @@ SCENARIOS["three-kind-mtp1-drop"] = ("nemotron_h_mtp", _MTP1_DROP, nemotron_h_mt
                                      _FINE_MAMBA_STREAM)
 # scenario -> CacheConfig.prefix_match_unit (None when absent)
 PREFIX_MATCH_UNIT = {"pmu160-mtp2-drop": 160, "pmu160-mtp1-drop": 160}
-# A modelled layout (eagle-drop's, where enforce and stock differ) under a scheduler with a KV connector, which
-# leaves it wholly to vLLM too: vLLM's ExampleConnector, reading a shared folder that holds nothing, so it
-# never adds a token (vLLM builds a KV connector with a hybrid layout only for connectors that support one).
-SCENARIOS["connector-eagle-drop"] = SCENARIOS["eagle-drop"]
+# KV connectors (tests/adapter/test_connectors.py): scenario -> (vLLM's connector as kv_transfer_config names
+# it, its kv_connector_module_path or None, whether its storage holds the scenario's first prompt). No worker
+# runs here, so a connector loads only what its scheduler side says it holds: ExampleConnector whatever
+# prefix its shared folder has a subfolder for (vLLM's own naming), DecodeBenchConnector everything (it fills
+# dummy values), SimpleCPUOffloadConnector nothing (no worker ever copies a block to its CPU pool).
+CONNECTORS = {
+    "connector-example-eagle-drop": ("ExampleConnector", None, False),
+    "connector-example-loads-eagle-drop": ("ExampleConnector", None, True),
+    "connector-bench-eagle-drop": ("DecodeBenchConnector", None, False),
+    "connector-cpu-eagle-drop": ("SimpleCPUOffloadConnector", None, False),
+    # a connector kvhit has not checked: vLLM's ExampleConnector, loaded by module path
+    "connector-module-eagle-drop": ("ExampleConnector", "vllm.distributed.kv_transfer.kv_connector.v1."
+                                    "example_connector", False),
+    "connector-cpu-swa-sibling": ("SimpleCPUOffloadConnector", None, False),
+}
+for _name in CONNECTORS:
+    SCENARIOS[_name] = SCENARIOS["eagle-drop"]
+# A block-aligned prompt and a longer sibling on full attention + a sliding window, no drafter, retention 0:
+# stock vLLM's sibling loses a block (W2), enforce's does not; with a connector beside the sliding window the
+# layout is vLLM's.
+SCENARIOS["swa-sibling"] = ("llama", None, lambda c: llama_swa_eagle_layers(c, drafts=0), 16,
+                            ((1024, 1024, 0), (1120, 1024, 1), (1024, 1024, 0), (1104, 1024, 2)))
+SCENARIOS["connector-cpu-swa-sibling"] = SCENARIOS["swa-sibling"]
 # Auxiliary outputs (routed experts; vLLM 0.33 accepts them for MoE models on model runner V2, which the CPU
 # platform has): their connector caps each lookup at the leading blocks of the full-attention group it
 # holds rows for. Enforced on the MTP layout (full attention read at its block: the cap never binds below
@@ -298,14 +318,35 @@ def _extra_config(name: str, models_dir: str) -> dict:
         from vllm.config import AuxOutputConfig
 
         return {"aux_output_config": AuxOutputConfig(enable_return_routed_experts=True)}
-    if name == "connector-eagle-drop":
-        from vllm.config import KVTransferConfig
-
-        storage = os.path.join(models_dir, "kv_connector_storage")
-        os.makedirs(storage, exist_ok=True)
-        return {"kv_transfer_config": KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                                                       kv_connector_extra_config={"shared_storage_path": storage})}
+    if name in CONNECTORS:
+        return {"kv_transfer_config": _connector_config(name, models_dir)}
     return {}
+
+
+def _connector_config(name: str, models_dir: str):
+    """The scenario's ``KVTransferConfig``; for ExampleConnector a shared folder of the scenario's own, which
+    holds the scenario's first prompt (the folder vLLM's connector names for its aligned prefix) if
+    ``CONNECTORS`` says so."""
+    from vllm.config import KVTransferConfig
+
+    connector, module, holds_first = CONNECTORS[name]
+    storage = os.path.join(models_dir, f"kv_connector_storage-{name}")
+    os.makedirs(storage, exist_ok=True)
+    if holds_first:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+            ExampleConnector,
+            align_to_block_size,
+        )
+
+        tokens = _prompt(name, SCENARIOS[name][4][0])
+        held = align_to_block_size(len(tokens) - 1, SCENARIOS[name][3])
+        ExampleConnector._generate_foldername_debug(types.SimpleNamespace(_storage_path=storage),
+                                                    torch.tensor(tokens[:held]), [], create_folder=True)
+    return KVTransferConfig(kv_connector=connector, kv_role="kv_both", kv_connector_module_path=module,
+                            kv_connector_extra_config={"shared_storage_path": storage})
+
+
 MAX_MODEL_LEN = 16384
 MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -583,15 +624,18 @@ def serve(scheduler, block_hasher, request_id: str, tokens: list[int], trace: li
     # at admission: it only refreshes its store's LRU order, the same in every run)
     aux_cap = None if aux is None else aux.max_cache_hit(request)
     scheduler.add_request(request)
-    num_cached_tokens = None
+    stats = None
     while scheduler.has_unfinished_requests():
         record = _step_record(*step(scheduler))
         trace.append(record)
         for o in record["outputs"]:
             if o["req_id"] == request_id and o["prefill_stats"] is not None:
-                num_cached_tokens = o["prefill_stats"]["num_cached_tokens"]
-    assert num_cached_tokens is not None, f"{request_id}: no EngineCoreOutput carried prefill_stats"
-    return {"prompt_len": len(tokens), "num_cached_tokens": num_cached_tokens, "retained": retained,
+                stats = o["prefill_stats"]
+    assert stats is not None, f"{request_id}: no EngineCoreOutput carried prefill_stats"
+    return {"prompt_len": len(tokens), "num_cached_tokens": stats["num_cached_tokens"],
+            # of which from the local prefix cache, and loaded by a KV connector
+            "num_local_cached_tokens": stats["num_local_cached_tokens"],
+            "num_external_cached_tokens": stats["num_external_cached_tokens"], "retained": retained,
             "shared_prefix_boundary": request.shared_prefix_boundary,
             **({} if aux is None else {"aux_cap": aux_cap})}
 

@@ -4,12 +4,13 @@ Enforce promises that the first repeat of a prompt hits what the second does, an
 reference read side on vLLM's write side promises neither. So where the spec does not model a layout's write
 side (a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP; EAGLE drop
 mode in which only Mamba groups drop; a retention interval its write side rejects), or
-the scheduler's config adds what the spec does not model (a KV connector; auxiliary outputs, which cap lookups
-below ``N - 1``), the coordinator is unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``,
+the scheduler's config adds what the spec does not model there (auxiliary outputs whose cap on lookups can
+bind; a KV connector kvhit has not checked or one beside a group that is not full attention, in
+``tests/adapter/test_connectors.py``), the coordinator is unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``,
 and reported in the status file. Shadow does the same, so that its counters say what enforce does.
 
-Through vLLM's real ``Scheduler`` (``tests/adapter/scheduler_run.py``, one process per mode) for a Llama + EAGLE
-with a KV connector; then one test per reason on vLLM's ``KVCacheManager``. (The real ``Scheduler`` builds
+Through vLLM's real ``Scheduler`` (``tests/adapter/scheduler_run.py``, one process per mode) for a Nemotron-H
+with auxiliary outputs and partial hits; then one test per reason on vLLM's ``KVCacheManager``. (The real ``Scheduler`` builds
 ``qwen3next_pmu160`` and ``three_kind`` with two MTP modules in drop mode with the MTP layers in full attention:
 the Mamba group does not drop, and enforce owns those layouts, ``tests/adapter/test_fine_mamba.py``.)
 """
@@ -35,7 +36,6 @@ from tests.conformance.vllm_harness import VllmHarness
 HASH_GRANULAR = engine.FINE_MAMBA_MTP_DROP
 # scenario -> (what the unmodelled reason names, the catalogue layout it is)
 SCENARIOS = {
-    "connector-eagle-drop": ("KV connector", "llama_eagle"),
     # Auxiliary outputs cap each lookup at the leading whole blocks of full attention, which a hit inside a
     # block passes (prefix_match_unit 160 on 1600-token blocks); without them the layout is enforced
     # (tests/adapter/test_fine_mamba.py)
@@ -76,15 +76,6 @@ def test_the_layout_is_reported_unmodelled_with_the_reason(runs, scenario, mode)
     counters = runs[mode]["kvhit_counters"]
     assert counters == {"kvhit_unmodelled_layouts": len(SCENARIOS), "vllm:kvhit_lookups": 0,
                         "kvhit_enforce_fallbacks": 0}, counters
-
-
-def test_enforce_gives_the_connector_layout_stocks_hit_where_it_would_change_it(runs):
-    """The comparison can fail: without a KV connector, enforce changes this layout's hit (F2: 1008 where
-    stock vLLM gets 992); with one, the layout is vLLM's."""
-    assert _hits(runs["enforce"], "connector-eagle-drop") == _hits(runs["stock"], "connector-eagle-drop") == [
-        0, 992, 992]
-    assert R.hit(R.Layout((R.Group("full", 16, eagle=True),)), R.Speculation("drop", 1), 1024, [1024],
-                 "reference") == 1008
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,21 +235,27 @@ def test_dense_retention_on_a_layout_without_sliding_window_or_mamba_is_modelled
     assert harness.probe(tokens)["hit"] == 1008  # stock vLLM: 992
 
 
-def test_a_scheduler_with_a_kv_connector_leaves_its_layout_stock_and_auxiliary_outputs_let_the_layout_decide():
+def test_what_a_schedulers_config_says_leaves_the_layout_to_decide_but_unreadable_configs_and_032s_aux():
     """What ``Scheduler.__init__`` tells the coordinator it builds (the real schedulers are in the tests
-    above and in tests/adapter/test_scheduler_plugin.py, "aux-*"): on vLLM 0.33 a KV connector is a reason,
-    auxiliary outputs are not (their cap is checked on the layout, :func:`engine.aux_cap_reason`); vLLM
-    0.32's auxiliary outputs stay a reason (their replayed rows are not modelled)."""
+    above, tests/adapter/test_connectors.py and tests/adapter/test_scheduler_plugin.py, "aux-*"): on vLLM
+    0.33 a KV connector and auxiliary outputs are facts the layout decides on (:func:`engine.connector_reason`,
+    :func:`engine.aux_cap_reason`), a connector named with the module it is loaded from when that is not
+    vLLM's registry; vLLM 0.32's auxiliary outputs stay a reason (their replayed rows are not modelled), and a
+    config that cannot be read is one."""
     from kvhit.adapters.vllm import v0_32
 
     aux_off, aux_on = (types.SimpleNamespace(enabled=enabled) for enabled in (False, True))
     plain = types.SimpleNamespace(kv_transfer_config=None, aux_output_config=aux_off)
-    assert v0_33.scheduler_stock_reason(plain) is None
-    assert "KV connector" in v0_33.scheduler_stock_reason(
-        types.SimpleNamespace(kv_transfer_config=object(), aux_output_config=aux_off))
+    assert v0_33.scheduler_facts(plain) == engine.SchedulerFacts()
+    connector = types.SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path=None)
+    assert v0_33.scheduler_facts(types.SimpleNamespace(kv_transfer_config=connector, aux_output_config=aux_off)
+                                 ) == engine.SchedulerFacts(connector="ExampleConnector")
+    elsewhere = types.SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path="my.connectors")
+    facts = v0_32.scheduler_facts(types.SimpleNamespace(kv_transfer_config=elsewhere, aux_output_config=aux_off))
+    assert facts.connector == "ExampleConnector from my.connectors" and facts.stock_reason is None
     with_aux = types.SimpleNamespace(kv_transfer_config=None, aux_output_config=aux_on)
-    assert v0_33.scheduler_stock_reason(with_aux) is None and engine.aux_outputs_enabled(with_aux)
-    assert "auxiliary outputs" in v0_32.scheduler_stock_reason(with_aux)
+    assert v0_33.scheduler_facts(with_aux) == engine.SchedulerFacts(caps=True)
+    assert "auxiliary outputs" in v0_32.scheduler_facts(with_aux).stock_reason
 
     class Unreadable:
         kv_transfer_config = None
@@ -267,7 +264,26 @@ def test_a_scheduler_with_a_kv_connector_leaves_its_layout_stock_and_auxiliary_o
         def aux_output_config(self):
             raise RuntimeError("no such field")
 
-    assert "could not read" in v0_33.scheduler_stock_reason(Unreadable())  # never less than stock
+    assert "could not read" in v0_33.scheduler_facts(Unreadable()).stock_reason  # never less than stock
+
+
+@pytest.mark.parametrize("name, connector, names", [
+    ("llama_eagle", "ExampleConnector", None), ("full16", "SimpleCPUOffloadConnector", None),
+    ("llama_eagle", "OffloadingConnector", "has not checked"),
+    ("llama_eagle", "ExampleConnector from my.connectors", "has not checked"),
+    ("gemma", "ExampleConnector", "a sliding-window group"), ("qwen3next", "DecodeBenchConnector", "a Mamba group"),
+    ("three_kind", "SimpleCPUOffloadConnector", "Mamba and sliding-window groups"),
+    ("chunked64", "ExampleConnector", "a chunked-local group"), ("qwen3next_pmu160", "ExampleConnector", "Mamba")])
+def test_a_connector_leaves_the_layout_to_vllm_unless_checked_and_beside_full_attention_alone(name, connector,
+                                                                                               names):
+    """:func:`engine.connector_reason` on catalogue layouts: None (enforced) only for a checked connector on
+    full attention read at its block; else the reason names what it lacks."""
+    layout = refimpl_layout(name)
+    spec = speculation("drop") if name != "chunked64" else speculation("none")
+    model = types.SimpleNamespace(sizes=R.derive_sizes(layout, spec))
+    reason = engine.connector_reason(model, connector)
+    assert (reason is None) == (names is None), reason
+    assert names is None or (names in reason and connector in reason), reason
 
 
 def test_a_kv_cache_manager_outside_a_scheduler_keeps_its_layout_enforced():

@@ -80,6 +80,8 @@ SETUP = {
 # scenario -> prompt lengths whose first and second repeats are compared with the reference's steady state
 REPEATED = {"eagle-drop": 1024, "swa-eagle-drop": 1000, "mtp2-drop": 8000}
 RUNS = {"stock": None, "off": "off", "shadow": "shadow", "enforce": "enforce"}  # run -> KVHIT_MODE
+# KV connectors (tests/adapter/scheduler_run.py, CONNECTORS) and the sliding-window stream without one
+CONNECTOR_RUNS = ("connector-example-eagle-drop", "connector-cpu-swa-sibling", "swa-sibling")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def runs(tmp_path_factory):
     """``{run: (result, kvhit's log lines)}``, each run a process of its own, started together."""
     work = tmp_path_factory.mktemp("scheduler_run_032")
     scheduler_run.write_models(str(work / "models"))
-    scenarios = [arg for name in [*SETUP, "connector-eagle-drop"] for arg in ("--scenario", name)]
+    scenarios = [arg for name in [*SETUP, *CONNECTOR_RUNS] for arg in ("--scenario", name)]
     started = {}
     for run, mode in RUNS.items():
         extra = [] if mode is None else ["--load-plugins"]
@@ -123,8 +125,9 @@ def test_vllm_0_32s_plugin_loader_installs_kvhit_as_kvhit_mode_says(runs):
         assert result["kvhit_mode"] == mode
         assert len([line for line in lines if f"mode {mode} on vLLM 0.32.0: replaced" in line]) == 1, lines
         assert result["kvhit_counters"]["kvhit_enforce_fallbacks"] == 0
-        # one layout line per distinct layout; only the connector's is left to vLLM
-        assert len([line for line in lines if "is modelled" in line]) == 4, lines
+        # one layout line per distinct layout (SETUP's four and the sliding-window stream's; ExampleConnector's
+        # is eagle-drop's); only the one with a connector beside a sliding window is left to vLLM
+        assert len([line for line in lines if "is modelled" in line]) == 5, lines
         assert [line for line in lines if "not modelled" in line and "KV connector" in line], lines
 
 
@@ -177,7 +180,18 @@ def test_enforce_keeps_the_eagle_block_stock_vllm_0_32_drops(runs):
     assert [s["num_cached_tokens"] for s in _served(runs, "enforce", "eagle-drop")] == [0, 1008, 1008]
 
 
-def test_a_scheduler_with_a_kv_connector_is_left_wholly_to_vllm(runs):
-    stock = runs["stock"][0]["scenarios"]["connector-eagle-drop"]
-    assert runs["enforce"][0]["scenarios"]["connector-eagle-drop"] == stock
-    assert [s["num_cached_tokens"] for s in stock["served"]] == [0, 992, 992]
+def test_a_checked_kv_connector_on_full_attention_is_enforced_and_one_beside_a_sliding_window_is_not(runs):
+    """As on 0.33 (tests/adapter/test_connectors.py): with vLLM's ExampleConnector (its folder empty) enforce
+    answers the local lookup (F2: 1008 where stock gets 992); with SimpleCPUOffloadConnector beside a sliding
+    window the layout is stock's, including the longer sibling where enforce without a connector gains
+    (W2: 1024 where stock gets 1008)."""
+    hits = {run: [s["num_cached_tokens"] for s in _served(runs, run, "connector-example-eagle-drop")]
+            for run in ("stock", "enforce")}
+    assert hits == {"stock": [0, 992, 992], "enforce": [0, 1008, 1008]}, hits
+    stock = runs["stock"][0]["scenarios"]["connector-cpu-swa-sibling"]
+    enforced = {k: v for k, v in runs["enforce"][0]["scenarios"]["connector-cpu-swa-sibling"].items()
+                if k != "kvhit_status"}
+    assert enforced == stock
+    siblings = [[s["num_cached_tokens"] for s in _served(runs, run, "swa-sibling")] for run in ("stock", "enforce")]
+    assert [hits[1] for hits in siblings] == [1008, 1024], siblings
+    assert [s["num_cached_tokens"] for s in stock["served"]] == siblings[0]

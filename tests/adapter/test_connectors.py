@@ -1,0 +1,125 @@
+"""KV connectors through vLLM's real ``Scheduler``: enforced where kvhit has checked both the connector and the
+layout, left wholly to vLLM elsewhere.
+
+vLLM's scheduler asks the connector how many tokens it loads past the local hit and starts the request at
+their sum. kvhit owns the local hit (``engine.connector_reason``): with a connector of
+``engine.CHECKED_CONNECTORS`` (the sum never shrinks when the local hit grows) on a layout of full attention
+looked up at its block (whose write side caches every block a request has, wherever it started), enforce
+answers the lookup with the reference and leaves the rest to vLLM. A connector kvhit has not checked, or one
+beside a sliding-window, chunked-local or Mamba group, leaves the layout to vLLM, read side and write side.
+
+The scenarios (``tests/adapter/scheduler_run.py``, ``CONNECTORS``) serve a block-aligned prompt of 1024 tokens
+three times on a Llama + EAGLE draft in drop mode (full attention, block 16: F2, where stock vLLM's local hit
+is 992 and the reference's 1008), with vLLM's ExampleConnector (an empty folder, and one holding the prompt),
+DecodeBenchConnector and SimpleCPUOffloadConnector, and ExampleConnector loaded by module path (a class kvhit
+has not checked); and a block-aligned prompt and its longer sibling on full attention + a sliding window
+(W2: stock's sibling hits 1008, the reference's 1024) without and with SimpleCPUOffloadConnector. No worker
+runs: a connector loads what its scheduler side says it holds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvhit.refimpl as R
+from kvhit.adapters.vllm import engine
+from tests.adapter import child_runs
+from tests.adapter.scheduler_run import CONNECTORS
+
+EAGLE_LAYOUT = R.Layout((R.Group("full", 16, eagle=True),))
+DROP = R.Speculation("drop", 1)
+ENFORCED = ["connector-example-eagle-drop", "connector-example-loads-eagle-drop", "connector-bench-eagle-drop",
+            "connector-cpu-eagle-drop"]
+# scenario -> what the unmodelled reason names
+STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding-window group"}
+MODES = ("stock", "shadow", "enforce")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{mode: result}`` of every connector scenario and the sibling stream without one."""
+    return child_runs.scheduler_modes(tmp_path_factory.mktemp("connectors"), [*CONNECTORS, "swa-sibling"], MODES)
+
+
+def _served(runs, mode, scenario):
+    return runs[mode]["scenarios"][scenario]["served"]
+
+
+def test_the_scenarios_are_the_ones_declared_here():
+    assert sorted(CONNECTORS) == sorted(ENFORCED + list(STOCK))
+    assert {CONNECTORS[s][0] for s in ENFORCED} == engine.CHECKED_CONNECTORS
+
+
+@pytest.mark.parametrize("scenario", ENFORCED)
+def test_a_checked_connector_on_full_attention_gets_the_reference_local_hit(runs, scenario):
+    """Each request's local hit is ``refimpl``'s reference hit on the cache the pool held (stock vLLM's is
+    ``vllm_0_33``'s), and the layout is reported modelled."""
+    for mode, policy in (("enforce", "reference"), ("stock", "vllm_0_33")):
+        for i, served in enumerate(_served(runs, mode, scenario)):
+            expected = R.hit(EAGLE_LAYOUT, DROP, served["prompt_len"], [set(served["retained"][0])], policy)
+            assert served["num_local_cached_tokens"] == expected, (scenario, mode, i, served)
+    status = runs["enforce"]["scenarios"][scenario]["kvhit_status"]
+    assert (status["mode"], status["modelled"]) == ("enforce", True), status
+
+
+@pytest.mark.parametrize("scenario", ENFORCED)
+def test_enforce_first_repeat_hits_the_reference_steady_state_locally(runs, scenario):
+    n = 1024
+    steady = R.hit(EAGLE_LAYOUT, DROP, n, [n], "reference")
+    assert steady == 1008
+    assert [s["num_local_cached_tokens"] for s in _served(runs, "enforce", scenario)[1:]] == [steady, steady]
+
+
+@pytest.mark.parametrize("scenario", ENFORCED)
+def test_the_connector_adds_what_it_holds_past_the_local_hit_and_enforce_never_starts_below_stock(runs, scenario):
+    """vLLM starts each request at the local hit plus what the connector loads past it: the empty folder and
+    the CPU pool no worker fills load nothing; the folder holding the prompt loads up to the prefix it holds
+    (what the first request, which finds nothing local, loads); DecodeBenchConnector fills all but the last
+    token. So the total is never below stock's, and above it where the connector holds less than the
+    reference's local hit."""
+    stock, enforce = (_served(runs, mode, scenario) for mode in ("stock", "enforce"))
+    held = enforce[0]["num_external_cached_tokens"]
+    for s, e in zip(stock, enforce):
+        assert e["num_cached_tokens"] >= s["num_cached_tokens"], (scenario, s, e)
+        for served in (s, e):
+            local = served["num_local_cached_tokens"]
+            if CONNECTORS[scenario][0] == "DecodeBenchConnector":
+                loaded = served["prompt_len"] - 1 - local
+            else:
+                loaded = max(held - local, 0)
+            assert served["num_external_cached_tokens"] == loaded, (scenario, served)
+    assert held == {"connector-example-loads-eagle-drop": 1008, "connector-bench-eagle-drop": 1023}.get(scenario, 0)
+
+
+def test_enforce_changes_the_hit_where_the_connector_holds_nothing(runs):
+    """The comparison can fail: F2 on the connector's layout, 1008 where stock vLLM gets 992."""
+    hits = {mode: child_runs.served_hits(runs[mode], "connector-example-eagle-drop") for mode in MODES}
+    assert hits["stock"] == hits["shadow"] == [0, 992, 992] and hits["enforce"] == [0, 1008, 1008], hits
+
+
+@pytest.mark.parametrize("scenario", list(STOCK))
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+def test_an_unchecked_connector_or_one_beside_a_sliding_window_leaves_the_layout_to_vllm(runs, scenario, mode):
+    """Every ``SchedulerOutput`` and ``EngineCoreOutput`` is stock vLLM's, and the status file says why."""
+    run = {k: v for k, v in runs[mode]["scenarios"][scenario].items() if k != "kvhit_status"}
+    assert json.dumps(run, sort_keys=True) == json.dumps(runs["stock"]["scenarios"][scenario], sort_keys=True)
+    status = runs[mode]["scenarios"][scenario]["kvhit_status"]
+    assert status["modelled"] is False and "KV connector" in status["unmodelled"], status
+    assert STOCK[scenario] in status["unmodelled"], status
+    assert runs[mode]["kvhit_counters"]["kvhit_unmodelled_layouts"] == len(STOCK)
+
+
+def test_without_the_connector_enforce_changes_the_sliding_window_layouts_hit(runs):
+    """The comparison above can fail: without a connector, enforce's sibling hits 1024 where stock's hits
+    1008 (W2); with SimpleCPUOffloadConnector beside the sliding window both hit 1008."""
+    stock, enforce = (child_runs.served_hits(runs[mode], "swa-sibling") for mode in ("stock", "enforce"))
+    assert (stock[1], enforce[1]) == (1008, 1024), (stock, enforce)
+    assert child_runs.served_hits(runs["enforce"], "connector-cpu-swa-sibling") == stock
+
+
+@pytest.mark.parametrize("scenario", [*CONNECTORS, "swa-sibling"])
+def test_shadow_schedules_exactly_as_stock(runs, scenario):
+    shadow = {k: v for k, v in runs["shadow"]["scenarios"][scenario].items() if k != "kvhit_status"}
+    assert json.dumps(shadow, sort_keys=True) == json.dumps(runs["stock"]["scenarios"][scenario], sort_keys=True)
