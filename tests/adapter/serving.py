@@ -535,7 +535,7 @@ def serve_stream(scheduler, block_hasher, arrivals: Sequence[Arrival], observer:
     if keep_hashes is not None:
         keep_hashes.update({rid: list(request.block_hashes) for rid, request in requests.items()})
     return [{"request_id": a.request_id, "prompt": a.prompt, "prompt_len": len(a.tokens),
-             "num_cached_tokens": cached.get(a.request_id), "added": added[a.request_id],
+             "max_tokens": a.max_tokens, "num_cached_tokens": cached.get(a.request_id), "added": added[a.request_id],
              "finished": finished[a.request_id], "preemptions": requests[a.request_id].num_preemptions,
              "evictions_at_finish": evictions_at_finish[a.request_id],
              "lookups_at_finish": lookups_at_finish[a.request_id],

@@ -24,7 +24,8 @@ is at most ``N - 1``; and the hit is ``refimpl``'s reference hit on the cache th
 run fails outright if it checked fewer lookups than kvhit enforced (the observer would have been bypassed).
 Counted besides: ``kvhit_enforce_fallbacks_total``, and first-repeat misses: a prompt served three times,
 each after the one before finished, whose first repeat hits less than its second; those with a block of
-the prompt evicted between the first serve and the first repeat are counted apart.
+the prompt evicted between the first serve and the first repeat are counted apart, and so are those whose
+first repeat decoded more tokens than the first serve (:func:`first_repeat_misses`).
 
 Prints the seed, one summary line and, with ``--table``, a row per layout and condition. Exit status 1 on
 an unsound hit, a reference mismatch or a fallback. Deterministic for a seed (vLLM's scheduler is).
@@ -65,7 +66,10 @@ class Row:
     evictions: int = 0
     first_repeats: int = 0
     misses_evicted: int = 0
-    misses: int = 0  # first-repeat misses with no block of the prompt evicted
+    # first-repeat misses with no block of the prompt evicted, where the first repeat decoded more tokens than
+    # the first serve (the second repeat resumes on what the longer decode cached)
+    misses_decoded: int = 0
+    misses: int = 0  # the other first-repeat misses
     # lookups whose hit the reference would have changed (checked against another policy: 0 under enforce)
     unlike_reference: int = 0
 
@@ -168,13 +172,19 @@ def random_stream(rng: random.Random, case: serving.Case, tag: str) -> list[Arri
     return arrivals
 
 
-def first_repeat_misses(served: list[dict], hashes: dict, observer: serving.Observer) -> tuple[int, int, int]:
-    """``(first repeats checked, misses after an eviction of the prompt's blocks, other misses)``: prompts
-    served at least three times, each serve added after the one before finished."""
+def first_repeat_misses(served: list[dict], hashes: dict, observer: serving.Observer) -> tuple[int, int, int, int]:
+    """``(first repeats checked, misses after an eviction of the prompt's blocks, misses after a first repeat
+    that decoded more tokens than the first serve, other misses)``: prompts served at least three times, each
+    serve added after the one before finished.
+
+    A request's decode steps cache more of the prompt's full-attention blocks (and the reference keeps the
+    states a resend resumes at on them), so a first repeat that decodes longer than the first serve can
+    leave the second repeat more than the first found; the first repeat hits what the second does when
+    both follow serves that decoded alike (the spec's write side models one sampled token)."""
     by_prompt = collections.defaultdict(list)
     for s in served:
         by_prompt[s["prompt"]].append(s)
-    checked = evicted = other = 0
+    checked = evicted = decoded = other = 0
     for serves in by_prompt.values():
         if len(serves) < 3:
             continue
@@ -187,9 +197,11 @@ def first_repeat_misses(served: list[dict], hashes: dict, observer: serving.Obse
             hi = repeat["lookups"][-1]["evictions"] if repeat["lookups"] else observer.evictions
             if observer.evicted_between(hashes[repeat["request_id"]], lo, hi):
                 evicted += 1
+            elif repeat["max_tokens"] > first["max_tokens"]:
+                decoded += 1
             else:
                 other += 1
-    return checked, evicted, other
+    return checked, evicted, decoded, other
 
 
 class ReferenceCheck:
@@ -296,9 +308,10 @@ def soak(lookups: int, seed: int, models_dir: str, cases=None, log=print) -> dic
                 requests += len(served)
                 row.streams += 1
                 row.preemptions += sum(s["preemptions"] for s in served)
-                checked, evicted, other = first_repeat_misses(served, hashes, observer)
+                checked, evicted, decoded, other = first_repeat_misses(served, hashes, observer)
                 row.first_repeats += checked
                 row.misses_evicted += evicted
+                row.misses_decoded += decoded
                 row.misses += other
                 if observer.lookups + total >= lookups:
                     break
@@ -385,19 +398,19 @@ def summary(result: dict) -> str:
             f"{t['evictions']} evictions): {t['unsound']} unsound, {t['reference_mismatches']} "
             f"{result.get('policy', 'reference')} mismatches, {t['fallbacks']} fallbacks; {t['first_repeats']} first repeats, "
             f"{t['misses']} first-repeat misses ({t['misses_evicted']} more after an eviction of the prompt's "
-            f"blocks)")
+            f"blocks, {t['misses_decoded']} after a first repeat that decoded longer than the first serve)")
 
 
 def table(result: dict) -> str:
     head = (f"{'layout':32} {'budget':>6} {'pool':>7} {'sched':>5} {'streams':>7} {'lookups':>8} {'unsound':>7} "
-            f"{'ref':>4} {'fallb':>5} {'preempt':>7} {'evict':>7} {'repeats':>7} {'miss':>4} {'miss/ev':>7}")
+            f"{'ref':>4} {'fallb':>5} {'preempt':>7} {'evict':>7} {'repeats':>7} {'miss':>4} {'miss/ev':>7} {'miss/dec':>8}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         lines.append(f"{r['layout']:32} {r['budget']:>6} {r['pool']:>7} {r['scheduling']:>5} {r['streams']:>7} "
                      f"{r['lookups']:>8} "
                      f"{r['unsound']:>7} {r['reference_mismatches']:>4} {r['fallbacks']:>5} "
                      f"{r['preemptions']:>7} {r['evictions']:>7} {r['first_repeats']:>7} {r['misses']:>4} "
-                     f"{r['misses_evicted']:>7}")
+                     f"{r['misses_evicted']:>7} {r['misses_decoded']:>8}")
     return "\n".join(lines)
 
 
