@@ -1208,7 +1208,8 @@ def _unreadable_config(error: Exception) -> str:
 # local hit and the tokens the connector loads past it, and for these the sum is non-decreasing in the local
 # hit (vLLM 0.33.0's scheduler side: ExampleConnector loads up to its stored prefix, or nothing;
 # DecodeBenchConnector fills up to N - 1; SimpleCPUOffloadConnector loads the run its CPU pool holds from the
-# local hit on). Each is driven through vLLM's real Scheduler by tests/adapter/test_connectors.py. Others are
+# local hit on). Each is driven through vLLM's real Scheduler by tests/adapter/test_connectors.py (the CPU
+# pool's answers at every local hit too: tests/adapter/connector_probe.py). Others are
 # not: OffloadingConnector loads nothing short of a whole chunk from the local hit, MultiConnector takes its
 # first child that loads anything, NixlConnector's decode side loads nothing under a recompute threshold, so
 # a longer local hit can end with less, and a connector kvhit has not read may do anything.

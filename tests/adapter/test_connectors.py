@@ -123,3 +123,29 @@ def test_without_the_connector_enforce_changes_the_sliding_window_layouts_hit(ru
 def test_shadow_schedules_exactly_as_stock(runs, scenario):
     shadow = {k: v for k, v in runs["shadow"]["scenarios"][scenario].items() if k != "kvhit_status"}
     assert json.dumps(shadow, sort_keys=True) == json.dumps(runs["stock"]["scenarios"][scenario], sort_keys=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The checked connectors' answers, driven directly
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cpu_offload_starts(tmp_path_factory):
+    """``tests/adapter/connector_probe.py``'s result: per seed, the CPU pool's held blocks and the start of a
+    request at each local hit."""
+    out = tmp_path_factory.mktemp("connector_probe") / "starts.json"
+    started = {"probe": (out, child_runs.start("tests.adapter.connector_probe", [out], child_runs.env()))}
+    return child_runs.collect(started)["probe"][0]
+
+
+def test_simple_cpu_offload_never_starts_a_request_earlier_when_the_local_hit_grows(cpu_offload_starts):
+    """``CHECKED_CONNECTORS``' claim for SimpleCPUOffloadConnector, on vLLM's own connector: with its CPU pool
+    holding a random set of the prompt's blocks (runs and gaps), the local hit plus what the connector loads
+    past it never decreases as the local hit grows, block by block from 0 to ``N - 1``; and it loads something
+    for some local hit and some gap stops it (the check is not vacuous)."""
+    assert len(cpu_offload_starts) >= 8
+    for probe in cpu_offload_starts:
+        starts, locals_ = probe["starts"], probe["locals"]
+        assert all(a <= b for a, b in zip(starts, starts[1:])), probe
+        assert any(start > local for start, local in zip(starts, locals_)), probe
+        assert not all(probe["held"]), probe
