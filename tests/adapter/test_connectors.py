@@ -34,6 +34,7 @@ ENFORCED = ["connector-example-eagle-drop", "connector-example-loads-eagle-drop"
             "connector-cpu-eagle-drop"]
 # scenario -> what the unmodelled reason names
 STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding-window group"}
+# (off patches nothing, with a connector or without: tests/adapter/test_scheduler_plugin.py checks it)
 MODES = ("stock", "shadow", "enforce")
 
 
@@ -121,8 +122,8 @@ def test_without_the_connector_enforce_changes_the_sliding_window_layouts_hit(ru
 
 @pytest.mark.parametrize("scenario", [*CONNECTORS, "swa-sibling"])
 def test_shadow_schedules_exactly_as_stock(runs, scenario):
-    shadow = {k: v for k, v in runs["shadow"]["scenarios"][scenario].items() if k != "kvhit_status"}
-    assert json.dumps(shadow, sort_keys=True) == json.dumps(runs["stock"]["scenarios"][scenario], sort_keys=True)
+    run = {k: v for k, v in runs["shadow"]["scenarios"][scenario].items() if k != "kvhit_status"}
+    assert json.dumps(run, sort_keys=True) == json.dumps(runs["stock"]["scenarios"][scenario], sort_keys=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -85,6 +85,9 @@ RUNS = {  # name -> (extra arguments, KVHIT_MODE)
     "enforce on vLLM 0.34.0": (["--load-plugins", "--vllm-version", "0.34.0"], "enforce"),
 }
 _KVHIT_LINE = re.compile(r"\bkvhit( enforce| shadow)?: ")
+# Every scenario but the KV-connector ones, which tests/adapter/test_connectors.py serves in every mode
+SCENARIOS = [name for name in scheduler_run.SCENARIOS
+             if name not in scheduler_run.CONNECTORS and name != "swa-sibling"]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +95,12 @@ def runs(tmp_path_factory):
     """Every run of ``RUNS``, started together: ``{name: (result, kvhit's log lines)}``."""
     work = tmp_path_factory.mktemp("scheduler_run")
     scheduler_run.write_models(str(work / "models"))
+    scenarios = [arg for name in SCENARIOS for arg in ("--scenario", name)]
     started = {}
     for name, (extra, kvhit_mode) in RUNS.items():
         out = work / f"{name.replace(' ', '_')}.json"
-        started[name] = (out, child_runs.start("tests.adapter.scheduler_run", [out, work / "models", *extra],
+        started[name] = (out, child_runs.start("tests.adapter.scheduler_run",
+                                               [out, work / "models", *extra, *scenarios],
                                                child_runs.env(kvhit_mode)))
     return {name: (result, [line for line in log.splitlines() if _KVHIT_LINE.search(line)])
             for name, (result, log) in child_runs.collect(started).items()}
