@@ -1099,9 +1099,9 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
         (``CoordinatorModel.write_note``), or one built by a scheduler whose config leaves it to vLLM (a KV
         connector kvhit has not checked or one beside a group that is not full attention, auxiliary outputs
         whose cap can bind: :func:`scheduler_init_seam`, :func:`connector_reason`, :func:`aux_cap_reason`),
-        is left to vLLM in every mode, read side and write side, and reported as an unmodelled layout: the reference read side on vLLM's write side
-        would not give what the reference promises (the first repeat hits what the second does), and
-        shadow's counters say what enforce does.
+        is left to vLLM in every mode, read side and write side, and reported as an unmodelled layout: the
+        reference read side on vLLM's write side would not give what the reference promises (the first
+        repeat hits what the second does), and shadow's counters say what enforce does.
         """
         coordinator = original(*args, **kwargs)
         if not isinstance(coordinator, (UnitaryKVCacheCoordinator, HybridKVCacheCoordinator)):

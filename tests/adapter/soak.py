@@ -403,7 +403,8 @@ def summary(result: dict) -> str:
 
 def table(result: dict) -> str:
     head = (f"{'layout':32} {'budget':>6} {'pool':>7} {'sched':>5} {'streams':>7} {'lookups':>8} {'unsound':>7} "
-            f"{'ref':>4} {'fallb':>5} {'preempt':>7} {'evict':>7} {'repeats':>7} {'miss':>4} {'miss/ev':>7} {'miss/dec':>8}")
+            f"{'ref':>4} {'fallb':>5} {'preempt':>7} {'evict':>7} {'repeats':>7} {'miss':>4} {'miss/ev':>7} "
+            f"{'miss/dec':>8}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         lines.append(f"{r['layout']:32} {r['budget']:>6} {r['pool']:>7} {r['scheduling']:>5} {r['streams']:>7} "

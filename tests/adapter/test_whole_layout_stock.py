@@ -6,11 +6,12 @@ side (a Mamba group read at hash granularity that drops, in EAGLE drop mode with
 mode in which only Mamba groups drop; a retention interval its write side rejects), or
 the scheduler's config adds what the spec does not model there (auxiliary outputs whose cap on lookups can
 bind; a KV connector kvhit has not checked or one beside a group that is not full attention, in
-``tests/adapter/test_connectors.py``), the coordinator is unmodelled: logged once, counted in ``kvhit_unmodelled_layouts_total``,
-and reported in the status file. Shadow does the same, so that its counters say what enforce does.
+``tests/adapter/test_connectors.py``), the coordinator is unmodelled: logged once, counted in
+``kvhit_unmodelled_layouts_total``, and reported in the status file. Shadow does the same, so that its counters say what enforce does.
 
 Through vLLM's real ``Scheduler`` (``tests/adapter/scheduler_run.py``, one process per mode) for a Nemotron-H
-with auxiliary outputs and partial hits; then one test per reason on vLLM's ``KVCacheManager``. (The real ``Scheduler`` builds
+with auxiliary outputs and partial hits; then one test per reason on vLLM's ``KVCacheManager``. (The real
+``Scheduler`` builds
 ``qwen3next_pmu160`` and ``three_kind`` with two MTP modules in drop mode with the MTP layers in full attention:
 the Mamba group does not drop, and enforce owns those layouts, ``tests/adapter/test_fine_mamba.py``.)
 """
