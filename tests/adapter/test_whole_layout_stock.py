@@ -11,9 +11,9 @@ bind; a KV connector kvhit has not checked or one beside a group that is not ful
 
 Through vLLM's real ``Scheduler`` (``tests/adapter/scheduler_run.py``, one process per mode) for a Nemotron-H
 with auxiliary outputs and partial hits; then one test per reason on vLLM's ``KVCacheManager``. (The real
-``Scheduler`` builds
-``qwen3next_pmu160`` and ``three_kind`` with two MTP modules in drop mode with the MTP layers in full attention:
-the Mamba group does not drop, and enforce owns those layouts, ``tests/adapter/test_fine_mamba.py``.)
+``Scheduler`` builds ``qwen3next_pmu160`` and ``three_kind`` with two MTP modules in drop mode with the MTP
+layers in full attention: the Mamba group does not drop, and enforce owns those layouts,
+``tests/adapter/test_fine_mamba.py``.)
 """
 
 from __future__ import annotations
