@@ -133,7 +133,8 @@ def test_z3_reading_of_a_cache_with_lost_blocks_matches_refimpl(setting, n, long
     of CI's unit stage on 2026-12-03, whose 45 minutes were then nearly spent; 4 here). A positive
     retention interval keeps a state every interval, and each one stops the reference's chunks: two of the
     four derandomized examples had R = 256 and took 111 s each of the test's 224 s (2026-12-07, when CI's
-    45 minutes were nearly spent again), so here the interval is dense or 0 (vLLM's default): 2.5 s;
+    45 minutes were nearly spent again), so here the interval is dense or 0 (vLLM's default): 2.5 s alone,
+    50 s under ``-n 2`` as ``make test`` runs it, 121 s in a CI run;
     positive intervals are read by Z3 in the test above, without gaps, and on these layouts by plain loops
     against vLLM;
     resends on these layouts are compared by
