@@ -69,6 +69,13 @@ def scheduler_modes(work, scenarios, modes) -> dict:
     return {mode: result for mode, (result, _) in collect(started).items()}
 
 
+def scheduled(result: dict, scenario: str) -> dict:
+    """What ``scenario`` of a :func:`scheduler_modes` result scheduled and served (every ``SchedulerOutput``
+    and ``EngineCoreOutput``), without kvhit's status file, which only runs that load kvhit have: the part
+    that must be byte-identical to stock where kvhit changes nothing."""
+    return {k: v for k, v in result["scenarios"][scenario].items() if k != "kvhit_status"}
+
+
 def served_hits(result: dict, scenario: str) -> list[int]:
     """Every request's hit (``num_cached_tokens``) in ``scenario`` of a :func:`scheduler_modes` result."""
     return [served["num_cached_tokens"] for served in result["scenarios"][scenario]["served"]]

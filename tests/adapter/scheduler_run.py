@@ -275,29 +275,28 @@ SCENARIOS["three-kind-mtp1-drop"] = ("nemotron_h_mtp", _MTP1_DROP, nemotron_h_mt
                                      _FINE_MAMBA_STREAM)
 # scenario -> CacheConfig.prefix_match_unit (None when absent)
 PREFIX_MATCH_UNIT = {"pmu160-mtp2-drop": 160, "pmu160-mtp1-drop": 160}
-# KV connectors (tests/adapter/test_connectors.py): scenario -> (vLLM's connector as kv_transfer_config names
-# it, its kv_connector_module_path or None, whether its storage holds the scenario's first prompt). No worker
-# runs here, so a connector loads only what its scheduler side says it holds: ExampleConnector whatever
-# prefix its shared folder has a subfolder for (vLLM's own naming), DecodeBenchConnector everything (it fills
-# dummy values), SimpleCPUOffloadConnector nothing (no worker ever copies a block to its CPU pool).
-CONNECTORS = {
-    "connector-example-eagle-drop": ("ExampleConnector", None, False),
-    "connector-example-loads-eagle-drop": ("ExampleConnector", None, True),
-    "connector-bench-eagle-drop": ("DecodeBenchConnector", None, False),
-    "connector-cpu-eagle-drop": ("SimpleCPUOffloadConnector", None, False),
-    # a connector kvhit has not checked: vLLM's ExampleConnector, loaded by module path
-    "connector-module-eagle-drop": ("ExampleConnector", "vllm.distributed.kv_transfer.kv_connector.v1."
-                                    "example_connector", False),
-    "connector-cpu-swa-sibling": ("SimpleCPUOffloadConnector", None, False),
-}
-for _name in CONNECTORS:
-    SCENARIOS[_name] = SCENARIOS["eagle-drop"]
 # A block-aligned prompt and a longer sibling on full attention + a sliding window, no drafter, retention 0:
 # stock vLLM's sibling loses a block (W2), enforce's does not; with a connector beside the sliding window the
 # layout is vLLM's.
 SCENARIOS["swa-sibling"] = ("llama", None, lambda c: llama_swa_eagle_layers(c, drafts=0), 16,
                             ((1024, 1024, 0), (1120, 1024, 1), (1024, 1024, 0), (1104, 1024, 2)))
-SCENARIOS["connector-cpu-swa-sibling"] = SCENARIOS["swa-sibling"]
+# KV connectors (tests/adapter/test_connectors.py): scenario -> (vLLM's connector as kv_transfer_config names
+# it, its kv_connector_module_path or None, whether its storage holds the scenario's first prompt, the
+# scenario whose model and prompts it serves). No worker
+# runs here, so a connector loads only what its scheduler side says it holds: ExampleConnector whatever
+# prefix its shared folder has a subfolder for (vLLM's own naming), DecodeBenchConnector everything (it fills
+# dummy values), SimpleCPUOffloadConnector nothing (no worker ever copies a block to its CPU pool).
+CONNECTORS = {
+    "connector-example-eagle-drop": ("ExampleConnector", None, False, "eagle-drop"),
+    "connector-example-loads-eagle-drop": ("ExampleConnector", None, True, "eagle-drop"),
+    "connector-bench-eagle-drop": ("DecodeBenchConnector", None, False, "eagle-drop"),
+    "connector-cpu-eagle-drop": ("SimpleCPUOffloadConnector", None, False, "eagle-drop"),
+    # a connector kvhit has not checked: vLLM's ExampleConnector, loaded by module path
+    "connector-module-eagle-drop": ("ExampleConnector", "vllm.distributed.kv_transfer.kv_connector.v1."
+                                    "example_connector", False, "eagle-drop"),
+    "connector-cpu-swa-sibling": ("SimpleCPUOffloadConnector", None, False, "swa-sibling"),
+}
+SCENARIOS.update({name: SCENARIOS[base] for name, (*_, base) in CONNECTORS.items()})
 # Auxiliary outputs (routed experts; vLLM 0.33 accepts them for MoE models on model runner V2, which the CPU
 # platform has): their connector caps each lookup at the leading blocks of the full-attention group it
 # holds rows for. Enforced on the MTP layout (full attention read at its block: the cap never binds below
@@ -329,7 +328,7 @@ def _connector_config(name: str, models_dir: str):
     ``CONNECTORS`` says so."""
     from vllm.config import KVTransferConfig
 
-    connector, module, holds_first = CONNECTORS[name]
+    connector, module, holds_first, _ = CONNECTORS[name]
     storage = os.path.join(models_dir, f"kv_connector_storage-{name}")
     os.makedirs(storage, exist_ok=True)
     if holds_first:
