@@ -50,10 +50,18 @@ MODE_MEANING = {
 ALWAYS_STOCK = ("any layout kvhit cannot enforce whole (a write side the spec does not model, a KV connector "
                 "unchecked or beside a sliding window, chunked local attention or Mamba, auxiliary outputs whose "
                 "cap can bind): wholly, reported as not modelled")
-KIND_NAMES = {"full": "full attention", "swa": "sliding window", "mamba": "Mamba", "chunked": "chunked local"}
 NOT_COUNTED = "not counted (start vllm serve with KVHIT_COUNT_GAINS=1 to count them in enforce)"
 NO_COUNTERS = ("no kvhit counters on /metrics: kvhit is off there, or vllm serve was started without "
                "PROMETHEUS_MULTIPROC_DIR (the counters live in the engine-core process)")
+
+
+def _kind_prose(kind: str) -> str:
+    """A spec group's kind as the status file writes it (``"swa"``), as prose names it (``sliding window``); a
+    kind this kvhit does not know, as written."""
+    try:
+        return refimpl.Kind(kind).prose
+    except ValueError:
+        return kind
 
 
 class StatusError(Exception):
@@ -271,7 +279,7 @@ def render(rep: dict) -> str:
                 members = ", ".join(map(str, g["members"]))
                 window = f", window {g['window']}" if g["window"] is not None else ""
                 drop = f", drops (margin {g['margin']})" if g["drops"] else ""
-                add(f"    spec group {k}: {KIND_NAMES.get(g['kind'], g['kind'])}, block {g['block']}{window} "
+                add(f"    spec group {k}: {_kind_prose(g['kind'])}, block {g['block']}{window} "
                     f"(KV-cache groups {members}){drop}")
         else:
             add(f"    ({layout['derive_error']}: the margins are not shown)")

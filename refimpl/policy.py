@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: e5c09a4027131496ef05651f6609e5d7c044fb9c41b6bf171b7b7113ae2860e5
-output-sha256: 23efd6ba9b6aef181e952b8f910070a29cd6f1b1fbbf105065e25d0cfb06d025
+spec-sha256: e775070cd31b35c7718482127e19733456dda3d480d135f8fabee19755b51c35
+output-sha256: 6eb82513c6e41cb08250dbfe0f330c4b4e0399bab059a36040718d9ec01afd5a
 """
 
 import itertools
@@ -61,6 +61,12 @@ class Kind(str, Enum):
     SWA = 'swa'
     MAMBA = 'mamba'
     CHUNKED = 'chunked'
+
+    @property
+    def prose(self) -> str:
+        """The kind as reports and log lines name it: "full attention", "sliding window", "Mamba", "chunked
+        local"."""
+        return {'full': 'full attention', 'swa': 'sliding window', 'mamba': 'Mamba', 'chunked': 'chunked local'}[self.value]
 
 class Mode(str, Enum):
     """How EAGLE/MTP speculative decoding protects the last cached block.

@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: e5c09a4027131496ef05651f6609e5d7c044fb9c41b6bf171b7b7113ae2860e5
+spec-sha256: e775070cd31b35c7718482127e19733456dda3d480d135f8fabee19755b51c35
 output-sha256: 2757956ca1ecf4c08bcf8da1afb110de69946fcaa814e329025c66bceb82afa7
 """
 

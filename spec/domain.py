@@ -20,6 +20,13 @@ class Kind(str, Enum):
     MAMBA = "mamba"
     CHUNKED = "chunked"
 
+    @property
+    def prose(self) -> str:
+        """The kind as reports and log lines name it: "full attention", "sliding window", "Mamba", "chunked
+        local"."""
+        return {"full": "full attention", "swa": "sliding window", "mamba": "Mamba",
+                "chunked": "chunked local"}[self.value]
+
 
 class Mode(str, Enum):
     """How EAGLE/MTP speculative decoding protects the last cached block.

@@ -1232,16 +1232,13 @@ def connector_reason(model: CoordinatorModel, connector: str) -> str | None:
     if connector not in CHECKED_CONNECTORS:
         return (f"the scheduler has a KV connector ({connector}) kvhit has not checked: a longer local hit "
                 "may make it load less, and the total less than stock's")
-    lagging = sorted({_KIND_NAMES[g.kind] for g in model.sizes.groups if g.kind is not Kind.FULL})
+    lagging = sorted({g.kind.prose for g in model.sizes.groups if g.kind is not Kind.FULL})
     if not lagging:
         return None
     kinds = f"a {lagging[0]} group" if len(lagging) == 1 else f"{' and '.join(lagging)} groups"
     return (f"the scheduler has a KV connector ({connector}) beside {kinds}, where the tokens it loads decide "
             "which states exist: the spec's write side starts every request at its local hit and models no "
             "connector")
-
-
-_KIND_NAMES = {Kind.SWA: "sliding-window", Kind.MAMBA: "Mamba", Kind.CHUNKED: "chunked-local"}
 
 
 def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> str | None:

@@ -33,7 +33,7 @@ DROP = R.Speculation("drop", 1)
 ENFORCED = ["connector-example-eagle-drop", "connector-example-loads-eagle-drop", "connector-bench-eagle-drop",
             "connector-cpu-eagle-drop"]
 # scenario -> what the unmodelled reason names
-STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding-window group"}
+STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding window group"}
 # (off patches nothing, with a connector or without: tests/adapter/test_scheduler_plugin.py checks it)
 MODES = ("stock", "shadow", "enforce")
 
