@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from .cache import held_from, layers, live_gaps, scan_last_held
 from .domain import Kind
 from . import runtime
-from .terms import (Lowering, SpecError, Term, _zv, and_, cdiv, eq, floor_to, installed, is_symbolic, ite, max_,
-                    min_, or_)
+from .terms import (Lowering, SpecError, Term, _zv, and_, build, cdiv, eq, floor_to, installed, is_symbolic, ite,
+                    max_, min_, or_)
 
 
 def _z3():
@@ -84,20 +84,20 @@ class ContractLowering(Z3Lowering):
         symbolic integers of ``probes``), ``t`` is no higher point in range the predicate holds at; then
         ``r >= 0``, and ``r == 0`` or ``step <= r <= hi`` with the predicate at ``r``. Evaluating a predicate
         may scan again: those scans get the second part too."""
-        z3 = _z3()
         out = []
         points = [r for _, _, _, r in self.scans] + [t for t in probes if _is_int(t)]
         for step, hi, pred, r in list(self.scans):
             for t in points:
                 if t is r:
                     continue
-                inside = z3.And(_zv(eq(t % step, 0)), _zv(t >= step), _zv(t <= hi), _zv(t > r))
-                out.append(z3.Implies(inside, z3.Not(_zv(pred(t)))))
+                inside = build().and_(_zv(eq(t % step, 0)), _zv(t >= step), _zv(t <= hi), _zv(t > r))
+                out.append(build().implies(inside, build().not_(_zv(pred(t)))))
         done = 0
         while done < len(self.scans):
             step, hi, pred, r = self.scans[done]
             done += 1
-            out += [r.e >= 0, z3.Or(r.z == 0, z3.And(_zv(r >= step), _zv(r <= hi), _zv(pred(r))))]
+            out += [build().cmp("ge", r.e, 0), build().or_(build().cmp("eq", r.z, 0),
+                                                           build().and_(_zv(r >= step), _zv(r <= hi), _zv(pred(r))))]
         return out
 
 
@@ -249,7 +249,6 @@ class IntervalSet:
 
     def contains(self, c):
         """Whether the point ``c`` (a multiple of the scan's step) satisfies the predicate."""
-        z3 = _z3()
         conds = []
         for part in self.parts:
             if isinstance(part, IntervalSet):
@@ -260,8 +259,8 @@ class IntervalSet:
                 inside = [_zv(c >= part[0]), _zv(c <= part[1])]
                 if len(part) == 4:
                     inside.append(_zv(eq((c - part[3]) % part[2], 0)))
-                conds.append(z3.And(inside))
-        return (z3.Or if self.op == "or" else z3.And)(conds)
+                conds.append(build().and_(*inside))
+        return (build().or_ if self.op == "or" else build().and_)(*conds)
 
 
 def _if(c, a, b):
@@ -444,13 +443,13 @@ class SymbolicCache:
                 lo = _if(s.z == 0, 0, (s + before) * unit - x.offset)
                 intervals.append((lo, (e - after) * unit - x.offset))
             return IntervalSet(intervals, x.top)
-        z3 = _z3()
         i = x // unit
-        empty = z3.Or(z3.And(_zv(before) == 0, _zv(after) == 0), _zv(i + after <= 0))
+        b = build()
+        empty = b.or_(b.and_(b.cmp("eq", _zv(before), 0), b.cmp("eq", _zv(after), 0)), _zv(i + after <= 0))
         inside = []
         for s, e in self._runs(k, unit):
-            inside.append(z3.And(z3.Or(s.z == 0, _zv(i - before >= s)), _zv(i + after <= e)))
-        return Term(z3.Or(empty, *inside))
+            inside.append(b.and_(b.or_(b.cmp("eq", s.z, 0), _zv(i - before >= s)), _zv(i + after <= e)))
+        return Term(b.or_(empty, *inside))
 
     def run_from(self, k, start, unit, limit):
         """Consecutive cached blocks from block ``start``, stopping at block ``limit``."""
@@ -706,15 +705,14 @@ class SymbolicWrittenCache:
             return IntervalSet(shifted, x.top)
         if intervals is None:
             return True
-        z3 = _z3()
         x = x // unit * unit
         inside = []
         for iv in intervals:
             conds = [_zv(x >= iv[0]), _zv(x <= iv[1]), _zv(x >= unit)]
             if len(iv) == 4:
                 conds.append(_zv(eq((x - iv[3]) % iv[2], 0)))
-            inside.append(z3.And(conds))
-        return Term(z3.Or(inside)) if inside else False
+            inside.append(build().and_(*conds))
+        return Term(build().or_(*inside)) if inside else False
 
     def run_from(self, k, start, unit, limit):
         """Consecutive held blocks from block ``start``, stopping at block ``limit``."""

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvhit.spec import runtime
 from kvhit.spec.lower_z3 import SymbolicCache, lowering
-from kvhit.spec.terms import (OPERATORS, SpecError, SymbolicBranchError, Term, _zv, and_, cdiv, eq,
+from kvhit.spec.terms import (OPERATORS, SpecError, SymbolicBranchError, Term, _zv, and_, build, cdiv, eq,
                               floor_to, ite, max_, max_aligned, min_)
 from kvhit.spec.cache import CacheState
 
@@ -98,3 +98,23 @@ def test_max_aligned_in_z3_equals_the_python_scan(runs, hi, step_units, before, 
         solver.add(top.z == hi)
         assert solver.check() == z3.sat
         assert solver.model().eval(_zv(got), True).as_long() == want
+
+
+def test_the_term_builder_makes_the_terms_z3py_makes():
+    """spec.terms.build() goes around z3py's coercions for speed; each constructor must still make the very
+    node z3py's operator makes (Z3 shares equal nodes, so the same term is the same AST), Python ints made
+    numerals as z3py makes them, on either side; a builder that swapped operands or made a different
+    operator fails here (the last assertions show the comparison can tell)."""
+    b = build()
+    x, y, p, q = z3.Int("x"), z3.Int("y"), z3.Bool("p"), z3.Bool("q")
+    pairs = [(b.num(-7), z3.IntVal(-7)), (b.add(x, y), x + y), (b.add(x, 3), x + 3), (b.sub(x, y), x - y),
+             (b.sub(5, x), 5 - x), (b.mul(x, 16), x * 16), (b.mul(x, y), x * y), (b.div(x, 4), x / 4),
+             (b.neg(x), -x), (b.cmp("lt", x, y), x < y), (b.cmp("le", x, 0), x <= 0), (b.cmp("gt", x, y), x > y),
+             (b.cmp("ge", 2, x), z3.IntVal(2) >= x), (b.cmp("eq", x, 1), x == 1), (b.and_(p, q), z3.And(p, q)),
+             (b.and_(p, q, p), z3.And([p, q, p])), (b.and_(), z3.And([])), (b.or_(p, q), z3.Or(p, q)),
+             (b.not_(p), z3.Not(p)), (b.implies(p, q), z3.Implies(p, q)), (b.ite(p, x, 3), z3.If(p, x, 3)),
+             (b.ite(p, q, p), z3.If(p, q, p))]
+    for made, expected in pairs:
+        assert made.eq(expected), (made, expected)
+        assert type(made) is type(expected) or isinstance(made, type(expected)), (made, expected)
+    assert not b.sub(x, y).eq(y - x) and not b.cmp("lt", x, y).eq(x <= y) and not b.or_(p, q).eq(z3.And(p, q))
