@@ -1,7 +1,7 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 3a01c54dd6840d18e25cc7399a0db5e4f3e93659549179ca138edf4f5bbabecb
+spec-sha256: 8487580d53f379d427e5f0848280e69c8cc824d898f9d556e98d0d169cd989fa
 output-sha256: 6eb82513c6e41cb08250dbfe0f330c4b4e0399bab059a36040718d9ec01afd5a
 """
 

@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 3a01c54dd6840d18e25cc7399a0db5e4f3e93659549179ca138edf4f5bbabecb
-output-sha256: 8df472368f65dd6aa4e36ce73191f7d8c5b7457b2afac3f71f6cc7e8be88fae5
+spec-sha256: 8487580d53f379d427e5f0848280e69c8cc824d898f9d556e98d0d169cd989fa
+output-sha256: 215cfd48d2ac5ca8ddf040f901d6af461ce2cf689a935f353a0233e1b897df51
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class _Build:
         self.ref = self.ctx.ref()
         self.int_sort = z3.IntSort(self.ctx)
         self.numerals = {}
+        self.comparisons = {'lt': z3.Z3_mk_lt, 'le': z3.Z3_mk_le, 'gt': z3.Z3_mk_gt, 'ge': z3.Z3_mk_ge, 'eq': z3.Z3_mk_eq}
 
     def num(self, v: int):
         """``z3.IntVal(v)``."""
@@ -120,8 +121,7 @@ class _Build:
     def cmp(self, op: str, a, b):
         """``a < b`` (``op`` "lt"), ``<=`` ("le"), ``>``, ``>=``, ``==`` ("eq") as a boolean."""
         a, b = (self.expr(a), self.expr(b))
-        f = {'lt': self.z3.Z3_mk_lt, 'le': self.z3.Z3_mk_le, 'gt': self.z3.Z3_mk_gt, 'ge': self.z3.Z3_mk_ge, 'eq': self.z3.Z3_mk_eq}[op]
-        return self.z3.BoolRef(f(self.ref, a.as_ast(), b.as_ast()), self.ctx)
+        return self.z3.BoolRef(self.comparisons[op](self.ref, a.as_ast(), b.as_ast()), self.ctx)
 
     def _nary(self, f, args):
         array = (self.z3.Ast * len(args))(*(a.as_ast() for a in args))

@@ -78,6 +78,8 @@ class _Build:
         self.ref = self.ctx.ref()
         self.int_sort = z3.IntSort(self.ctx)  # a built-in sort: held, it makes no node
         self.numerals = {}  # v -> z3.IntVal(v), made once (a check makes tens of thousands, of a few values)
+        self.comparisons = {"lt": z3.Z3_mk_lt, "le": z3.Z3_mk_le, "gt": z3.Z3_mk_gt, "ge": z3.Z3_mk_ge,
+                            "eq": z3.Z3_mk_eq}
 
     def num(self, v: int):
         """``z3.IntVal(v)``."""
@@ -116,9 +118,7 @@ class _Build:
     def cmp(self, op: str, a, b):
         """``a < b`` (``op`` "lt"), ``<=`` ("le"), ``>``, ``>=``, ``==`` ("eq") as a boolean."""
         a, b = self.expr(a), self.expr(b)
-        f = {"lt": self.z3.Z3_mk_lt, "le": self.z3.Z3_mk_le, "gt": self.z3.Z3_mk_gt, "ge": self.z3.Z3_mk_ge,
-             "eq": self.z3.Z3_mk_eq}[op]
-        return self.z3.BoolRef(f(self.ref, a.as_ast(), b.as_ast()), self.ctx)
+        return self.z3.BoolRef(self.comparisons[op](self.ref, a.as_ast(), b.as_ast()), self.ctx)
 
     def _nary(self, f, args):
         array = (self.z3.Ast * len(args))(*(a.as_ast() for a in args))
