@@ -100,9 +100,14 @@ def retention_intervals(sizes):
 # chunked-local group with every interval. The two sliding-window layouts' dense and 2S settings (20
 # configurations) cost the default run about 0.6 G units on 2026-12-07; the other write-side layouts at every
 # interval (the one-group and hash-granular ones, full32_swa16w64/w100, qwen35) left two chunks running
-# after 20 minutes that day.
-CORE_WRITE = {"qwen3next": (None, 0, 2), "gemma": (None, 0, 2), "full64_swa64w200_eagle": (None, 0, 2),
-              "chunked64": (0,), "llama4": (0,)}
+# after 20 minutes that day. Measured alone that day, one check at a time: the Qwen3.5-like layout's write
+# side (15 configurations, every row of the default run) about 125 s of checks while another job ran;
+# full32_swa16w64's about 100 s, its dominance lemma 66 s of it (5-18 s at R = 0, like gemma's);
+# qwen3next_pmu160's dominance lemma 206 s and 2.5 G units dense without speculation, and its junction claim
+# undecided after 3 minutes on that configuration. So qwen35 is in, and the sliding-window and hash-granular
+# layouts beyond gemma and the EAGLE sliding window are --extended's.
+CORE_WRITE = {"qwen3next": (None, 0, 2), "qwen35": (None, 0, 2), "gemma": (None, 0, 2),
+              "full64_swa64w200_eagle": (None, 0, 2), "chunked64": (0,), "llama4": (0,)}
 
 
 def write_configs(extended: bool = False):

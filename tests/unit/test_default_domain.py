@@ -10,14 +10,17 @@ from kvhit.spec.sizes import derive_sizes
 
 
 @pytest.mark.parametrize("name, unit", [("qwen35", 1600), ("qwen35_pmu160", 160)])
-def test_the_qwen35_like_layouts_are_read_side_configurations_of_two_spec_groups(name, unit):
+def test_the_qwen35_like_layouts_are_configurations_of_two_spec_groups(name, unit):
     """Full attention holding the MTP layer, and three Mamba (GDN) KV-cache groups of one spec, which the
-    coordinator looks up as one spec group: checked in every speculative setting of a layout of more than two
-    KV-cache groups, on the read side only."""
+    coordinator looks up as one spec group: the read side checked in every speculative setting of a layout of
+    more than two KV-cache groups; the write side of ``qwen35`` in every write-side setting at R = None, 0 and
+    two scheduler blocks (``qwen35_pmu160``'s is --extended's: its dominance lemma alone takes minutes)."""
     ours = [c for c in configs(extended=False) if c.layout.name == name]
-    assert sorted(c.speculation.describe() for c in ours) == sorted(
+    assert sorted(c.speculation.describe() for c in ours if not c.write_side) == sorted(
         ["none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "lookahead Lp=4 mtp4", "drop Lp=1"])
-    assert not any(c.write_side for c in ours)
+    written = {(c.speculation.describe(), c.retention) for c in ours if c.write_side}
+    assert written == ({(s, r) for s in ("none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "drop Lp=1",
+                                         "drop Lp=2 mtp2") for r in (None, 0, 3200)} if name == "qwen35" else set())
     for config in ours:
         sizes = derive_sizes(config.layout, config.speculation)
         full, mamba = sizes.groups
