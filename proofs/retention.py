@@ -242,10 +242,12 @@ def _has_sliding_window(config):
 
 
 def _contract_decides_dominance(config):
-    """Where the dominance lemma is tried under the scans' contracts first: where that was measured to prove it
-    (not beside a sliding window, and not at a positive retention interval without lookahead hashes)."""
+    """Where the dominance lemma is tried under the scans' contracts first: all but where that try was measured
+    to spend its whole bound undecided (beside a sliding window; at a positive retention interval without
+    lookahead hashes). Only the cost depends on it: the exact check decides whatever the try gave."""
     sparse_interval = config.retention not in (None, 0)
-    return not _has_sliding_window(config) and not (sparse_interval and config.speculation.mode is not Mode.LOOKAHEAD)
+    without_lookahead = config.speculation.mode is not Mode.LOOKAHEAD
+    return not _has_sliding_window(config) and not (sparse_interval and without_lookahead)
 
 
 # The stream claims of vllm_0_33_repaired, composed in the default run from the reference's verdicts and this

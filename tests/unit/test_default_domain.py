@@ -14,7 +14,8 @@ def test_the_qwen35_like_layouts_are_configurations_of_two_spec_groups(name, uni
     """Full attention holding the MTP layer, and three Mamba (GDN) KV-cache groups of one spec, which the
     coordinator looks up as one spec group: the read side checked in every speculative setting of a layout of
     more than two KV-cache groups; the write side of ``qwen35`` in every write-side setting at R = None, 0 and
-    two scheduler blocks (``qwen35_pmu160``'s is --extended's: its dominance lemma alone takes minutes)."""
+    two scheduler blocks (``qwen35_pmu160``'s is --extended's, as ``qwen3next_pmu160``'s, whose dominance lemma
+    took minutes on one configuration)."""
     ours = [c for c in configs(extended=False) if c.layout.name == name]
     assert sorted(c.speculation.describe() for c in ours if not c.write_side) == sorted(
         ["none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "lookahead Lp=4 mtp4", "drop Lp=1"])
