@@ -2,7 +2,7 @@
 
 from dataclasses import fields
 
-from kvhit.spec.domain import Kind, Mode
+from kvhit.spec.domain import Kind
 from kvhit.spec.policy import REFERENCE, VLLM_0_33
 from kvhit.spec.terms import and_, eq, ite, min_
 
@@ -245,9 +245,8 @@ def _contract_decides_dominance(config):
     """Where the dominance lemma is tried under the scans' contracts first: all but where that try was measured
     to spend its whole bound undecided (beside a sliding window; at a positive retention interval without
     lookahead hashes). Only the cost depends on it: the exact check decides whatever the try gave."""
-    sparse_interval = config.retention not in (None, 0)
-    without_lookahead = config.speculation.mode is not Mode.LOOKAHEAD
-    return not _has_sliding_window(config) and not (sparse_interval and without_lookahead)
+    periodic = config.retention not in (None, 0)
+    return not _has_sliding_window(config) and not (periodic and not config.speculation.hash_lookahead)
 
 
 # The stream claims of vllm_0_33_repaired, composed in the default run from the reference's verdicts and this
