@@ -19,7 +19,7 @@ GROUP_FIELDS = {
     "kind": str, "block_size": int, "window": int, "chunk": int, "dcp_sharded": bool, "eagle": bool,
     "tokens_per_state": int, "operator_block_size": bool,
 }
-LAYOUT_FIELDS = {"name": str, "groups": list, "dcp": int, "prefix_match_unit": int}
+LAYOUT_FIELDS = {"name": str, "groups": list, "dcp": int, "prefix_match_unit": int, "aux_cap_group": int}
 
 
 class LayoutError(ValueError):
@@ -91,7 +91,7 @@ def parse(data, default_name=""):
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
     layout = Layout(tuple(groups), data.get("dcp", 1), data.get("prefix_match_unit"),
-                    data.get("name", default_name))
+                    data.get("name", default_name), data.get("aux_cap_group"))
     refimpl.derive_sizes(layout, refimpl.NO_SPECULATION)
     return layout, tuple(operator)
 
@@ -170,5 +170,7 @@ def to_json(layout):
         if g.tokens_per_state != 1:
             d["tokens_per_state"] = g.tokens_per_state
         groups.append(d)
-    return {"name": layout.name, "groups": groups, "dcp": layout.dcp,
-            "prefix_match_unit": layout.prefix_match_unit}
+    out = {"name": layout.name, "groups": groups, "dcp": layout.dcp, "prefix_match_unit": layout.prefix_match_unit}
+    if layout.aux_cap_group is not None:
+        out["aux_cap_group"] = layout.aux_cap_group
+    return out

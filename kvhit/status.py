@@ -48,8 +48,8 @@ MODE_MEANING = {
     "enforce": "the scheduler's prefix-cache hit length is kvhit's reference hit; vLLM provides the blocks",
 }
 ALWAYS_STOCK = ("any layout kvhit cannot enforce whole (a write side the spec does not model, a KV connector "
-                "unchecked or beside a sliding window, chunked local attention or Mamba, auxiliary outputs whose "
-                "cap can bind): wholly, reported as not modelled")
+                "unchecked or beside a sliding window, chunked local attention or Mamba, auxiliary outputs that "
+                "cap lookups at another kind's blocks than full attention's): wholly, reported as not modelled")
 NOT_COUNTED = "not counted (start vllm serve with KVHIT_COUNT_GAINS=1 to count them in enforce)"
 NO_COUNTERS = ("no kvhit counters on /metrics: kvhit is off there, or vllm serve was started without "
                "PROMETHEUS_MULTIPROC_DIR (the counters live in the engine-core process)")
@@ -187,11 +187,13 @@ def layout_report(status: dict) -> dict:
     """The layout the status file names, with the spec's derived sizes (``refimpl.derive_sizes``)."""
     layout = status["layout"]
     out = {"label": status.get("label"), "groups": layout["groups"], "dcp": layout["dcp"],
-           "prefix_match_unit": layout["prefix_match_unit"], "speculation": status["speculation"],
+           "prefix_match_unit": layout["prefix_match_unit"], "aux_cap_group": layout.get("aux_cap_group"),
+           "speculation": status["speculation"],
            "sizes": dict(status["sizes"])}
     try:
         groups = tuple(refimpl.Group(**g) for g in layout["groups"])
-        sizes = refimpl.derive_sizes(refimpl.Layout(groups, layout["dcp"], layout["prefix_match_unit"]),
+        sizes = refimpl.derive_sizes(refimpl.Layout(groups, layout["dcp"], layout["prefix_match_unit"],
+                                                    aux_cap_group=layout.get("aux_cap_group")),
                                      refimpl.Speculation(**status["speculation"]))
     except (TypeError, ValueError) as e:
         out["derive_error"] = f"{type(e).__name__}: {e}"
@@ -283,6 +285,9 @@ def render(rep: dict) -> str:
                     f"(KV-cache groups {members}){drop}")
         else:
             add(f"    ({layout['derive_error']}: the margins are not shown)")
+        if layout.get("aux_cap_group") is not None:
+            add(f"    every lookup capped at KV-cache group {layout['aux_cap_group']}'s leading whole blocks "
+                "(auxiliary outputs)")
         add(f"  write side{' under enforce' if mode == 'shadow' else ''}: {rep['write_side'] or '?'}")
     add("  left to vLLM:")
     lines += [f"    - {line}" for line in rep["stock"]]

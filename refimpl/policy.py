@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 8487580d53f379d427e5f0848280e69c8cc824d898f9d556e98d0d169cd989fa
-output-sha256: 6eb82513c6e41cb08250dbfe0f330c4b4e0399bab059a36040718d9ec01afd5a
+spec-sha256: 23e72cb1f722a641e0b63b951e4716eea858173e78397a02e0f1554b1c89952e
+output-sha256: 2a7574be4d9cef1d6270187c0f1fdcd672261ce33dbd6b12b6cef89aa5dbaa52
 """
 
 import itertools
@@ -147,11 +147,16 @@ class Layout:
         prefix_match_unit: the hash unit an operator asked for (vLLM ``prefix_match_unit``), or None for
             the GCD rule.
         name: a label for reports.
+        aux_cap_group: the KV-cache group whose leading whole blocks cap every lookup, or None (vLLM 0.33's
+            auxiliary outputs: ``AuxOutputSchedulerConnector.max_cache_hit`` passes
+            ``min(k * b, N - 1)``, ``k`` the leading blocks of the coordinator's ``full_attention_group_id``
+            that its store or the pool holds). The spec models a full-attention group there.
     """
     groups: tuple
     dcp: int = 1
     prefix_match_unit: int | None = None
     name: str = ''
+    aux_cap_group: int | None = None
 
     def __post_init__(self):
         groups = tuple((g if isinstance(g, Group) else Group(**g) for g in self.groups))
@@ -161,6 +166,12 @@ class Layout:
         _positive_int(self.dcp, 'DCP world size')
         if self.prefix_match_unit is not None:
             _positive_int(self.prefix_match_unit, 'prefix_match_unit')
+        if self.aux_cap_group is not None:
+            g = self.aux_cap_group
+            if not isinstance(g, int) or isinstance(g, bool) or (not 0 <= g < len(groups)):
+                raise ValueError(f'aux_cap_group {g!r} is not a KV-cache group of this layout (0..{len(groups) - 1})')
+            if groups[g].kind is not Kind.FULL:
+                raise ValueError(f'aux_cap_group {g}: a cap by the leading blocks of a {groups[g].kind.value} group is not modelled by the spec (it models the cap of a full-attention group)')
         hybrid = len(groups) > 1
         for i, g in enumerate(groups):
             sharded = g.dcp_sharded and self.dcp > 1
@@ -265,6 +276,8 @@ class Sizes:
         hash_lookahead: ``L``; prefill_lookahead: ``Lp``; drop: whether EAGLE groups drop.
         config_block: the smallest per-rank block of the layout (vLLM ``cache_config.block_size``, which
             the scheduler's Mamba chunk rules use).
+        cap_group: the spec group (full attention) whose leading whole blocks cap every lookup (the
+            layout's ``aux_cap_group``: :func:`kvhit.spec.policy.lookup_cap`), or None.
     """
     scheduler_block: int
     hash_block: int
@@ -278,6 +291,7 @@ class Sizes:
     drop: bool
     dcp: int
     config_block: int = 0
+    cap_group: int | None = None
 
     @property
     def eagle_unit(self) -> int:
@@ -377,7 +391,11 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
             raise ValueError(f'group {i}: hit alignment {alignment} is not a multiple of its tokens_per_state {g.tokens_per_state} (vLLM raises the same)')
     if (flagged or speculation.drop) and speculation.prefill_lookahead > scheduler_block:
         raise ValueError(f'scheduler block {scheduler_block} is shorter than the prefill lookahead {speculation.prefill_lookahead} (vLLM raises the same)')
-    return Sizes(scheduler_block=scheduler_block, hash_block=h, partial_hits=partial, alignment=alignment, effective_blocks=blocks, groups=tuple(groups), unitary=unitary, hash_lookahead=speculation.hash_lookahead, prefill_lookahead=speculation.prefill_lookahead, drop=speculation.drop, dcp=layout.dcp, config_block=min((g.block_size for g in layout.groups)))
+    cap_group = None
+    for k, sg in enumerate(groups):
+        if layout.aux_cap_group in sg.members:
+            cap_group = k
+    return Sizes(scheduler_block=scheduler_block, hash_block=h, partial_hits=partial, alignment=alignment, effective_blocks=blocks, groups=tuple(groups), unitary=unitary, hash_lookahead=speculation.hash_lookahead, prefill_lookahead=speculation.prefill_lookahead, drop=speculation.drop, dcp=layout.dcp, config_block=min((g.block_size for g in layout.groups)), cap_group=cap_group)
 
 def num_hashes(sizes: Sizes, n_tokens):
     """``|H|``: block hashes a request of ``n_tokens`` has. With lookahead hashes a block's hash waits
@@ -868,7 +886,7 @@ def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     (``cap_at_hashes``: ``M`` at most ``|H| * h``)."""
     hashes = num_hashes(sizes, n_tokens)
     sg = sizes.groups[0]
-    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    bound = capped_length(cache, sizes, n_tokens, rules)
     if sg.drops and sg.kind is not Kind.MAMBA and rules.unitary_margin:
         bound = min(bound + sg.margin, hash_reach(sizes, n_tokens))
     hit, reach = lookup(cache, sizes, 0, hashes, bound, sg.drops, rules)
@@ -881,6 +899,24 @@ def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
     if rules.cap_at_hashes or rules.declarative:
         return min(m, hash_reach(sizes, n_tokens))
     return m
+
+def lookup_cap(cache, sizes: Sizes, covered):
+    """The leading whole blocks of the capped spec group (``sizes.cap_group``, full attention) within the
+    ``covered`` tokens the hashes cover, in tokens: vLLM 0.33's auxiliary outputs cap every lookup at
+    ``min(k * b, N - 1)`` (``AuxOutputSchedulerConnector.max_cache_hit``), ``k`` the group's leading blocks
+    that the pool or the connector's store holds. The store keeps the blocks the pool held when each request
+    finished; the spec's cache is the pool, and ``k`` its run (where the store holds more, the adapter
+    leaves the lookup to vLLM's code)."""
+    sg = sizes.groups[sizes.cap_group]
+    return cache.run_from(sizes.cap_group, start=0, unit=sg.block, limit=covered // sg.block) * sg.block
+
+def capped_length(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM's coordinators start on ``cache``: :func:`max_length_within_hashes`, at most
+    :func:`lookup_cap` on a layout whose lookups are capped."""
+    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    if sizes.cap_group is None:
+        return bound
+    return min(bound, lookup_cap(cache, sizes, hash_reach(sizes, n_tokens)))
 
 def pass_lookup(cache, sizes: Sizes, k, hashes, c, drop, rules: Rules):
     """Spec group ``k``'s lookup in a pass of vLLM's loop at candidate ``c``: ``(length, reach)``. With
@@ -945,7 +981,7 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     spec groups led by full attention (the ``simple`` case)."""
     hashes = num_hashes(sizes, n_tokens)
     simple = is_simple(sizes)
-    hit_length = max_length_within_hashes(sizes, n_tokens, rules)
+    hit_length = capped_length(cache, sizes, n_tokens, rules)
     verified = tuple((False for _ in sizes.groups))
     lengths = tuple((0 for _ in sizes.groups))
     longest = 0
@@ -965,11 +1001,12 @@ def full_attention_extent(cache, sizes: Sizes, k, covered):
     hashes cover: its leading run of cached blocks, or, when it is looked up at hash granularity, the
     highest cached boundary inside the next block (as vLLM ``FullAttentionManager.find_longest_cache_hit``
     finds them). Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
-    extent is downward-closed."""
+    extent is downward-closed. The capped group (``sizes.cap_group``) serves only its whole blocks: a hit
+    inside the next block passes the cap (:func:`lookup_cap`)."""
     sg = sizes.groups[k]
     b = sg.block
     run = cache.run_from(k, start=0, unit=b, limit=covered // b) * b
-    if not sg.fine:
+    if not sg.fine or k == sizes.cap_group:
         return run
     a = sizes.alignment
     partial = cache.last_held(k, step=a, lo=run, hi=min(run + b - a, covered), unit=a, before=1, after=0)

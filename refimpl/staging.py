@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 8487580d53f379d427e5f0848280e69c8cc824d898f9d556e98d0d169cd989fa
-output-sha256: 215cfd48d2ac5ca8ddf040f901d6af461ce2cf689a935f353a0233e1b897df51
+spec-sha256: 23e72cb1f722a641e0b63b951e4716eea858173e78397a02e0f1554b1c89952e
+output-sha256: 4e8c66c663893763faafd19027c51a16358058c06e8988c25b268c0af357b717
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from . import policy as runtime
-from .policy import Kind, Layout, Mode, Rules, Sizes, SpecGroup, Speculation, check_speculation, chunked_group, effective_block, fine_grained_capable, is_simple, max_cache_hit_length, partial_hash_hits_enabled, pass_bound, policy_rules, prefix_groups
+from .policy import Kind, Layout, Mode, Rules, Sizes, SpecGroup, Speculation, check_speculation, chunked_group, effective_block, fine_grained_capable, is_simple, lookup_cap, max_cache_hit_length, partial_hash_hits_enabled, pass_bound, policy_rules, prefix_groups
 
 
 # --------------------------------------------------------------------------------------------------
@@ -857,7 +857,11 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
             raise ValueError(f'group {i}: hit alignment {alignment} is not a multiple of its tokens_per_state {g.tokens_per_state} (vLLM raises the same)')
     if (flagged or speculation.drop) and speculation.prefill_lookahead > scheduler_block:
         raise ValueError(f'scheduler block {scheduler_block} is shorter than the prefill lookahead {speculation.prefill_lookahead} (vLLM raises the same)')
-    return Sizes(scheduler_block=scheduler_block, hash_block=h, partial_hits=partial, alignment=alignment, effective_blocks=blocks, groups=tuple(groups), unitary=unitary, hash_lookahead=speculation.hash_lookahead, prefill_lookahead=speculation.prefill_lookahead, drop=speculation.drop, dcp=layout.dcp, config_block=min((g.block_size for g in layout.groups)))
+    cap_group = None
+    for k, sg in enumerate(groups):
+        if layout.aux_cap_group in sg.members:
+            cap_group = k
+    return Sizes(scheduler_block=scheduler_block, hash_block=h, partial_hits=partial, alignment=alignment, effective_blocks=blocks, groups=tuple(groups), unitary=unitary, hash_lookahead=speculation.hash_lookahead, prefill_lookahead=speculation.prefill_lookahead, drop=speculation.drop, dcp=layout.dcp, config_block=min((g.block_size for g in layout.groups)), cap_group=cap_group)
 
 def num_hashes(sizes: Sizes, n_tokens):
     """``|H|``: block hashes a request of ``n_tokens`` has. With lookahead hashes a block's hash waits
@@ -997,7 +1001,7 @@ def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     (``cap_at_hashes``: ``M`` at most ``|H| * h``)."""
     hashes = num_hashes(sizes, n_tokens)
     sg = sizes.groups[0]
-    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    bound = capped_length(cache, sizes, n_tokens, rules)
     if sg.drops and sg.kind is not Kind.MAMBA and rules.unitary_margin:
         bound = min_(bound + sg.margin, hash_reach(sizes, n_tokens))
     hit, reach = lookup(cache, sizes, 0, hashes, bound, sg.drops, rules)
@@ -1010,6 +1014,14 @@ def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
     if rules.cap_at_hashes or rules.declarative:
         return min_(m, hash_reach(sizes, n_tokens))
     return m
+
+def capped_length(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM's coordinators start on ``cache``: :func:`max_length_within_hashes`, at most
+    :func:`lookup_cap` on a layout whose lookups are capped."""
+    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    if sizes.cap_group is None:
+        return bound
+    return min_(bound, lookup_cap(cache, sizes, hash_reach(sizes, n_tokens)))
 
 def pass_lookup(cache, sizes: Sizes, k, hashes, c, drop, rules: Rules):
     """Spec group ``k``'s lookup in a pass of vLLM's loop at candidate ``c``: ``(length, reach)``. With
@@ -1064,7 +1076,7 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     spec groups led by full attention (the ``simple`` case)."""
     hashes = num_hashes(sizes, n_tokens)
     simple = is_simple(sizes)
-    hit_length = max_length_within_hashes(sizes, n_tokens, rules)
+    hit_length = capped_length(cache, sizes, n_tokens, rules)
     verified = tuple((False for _ in sizes.groups))
     lengths = tuple((0 for _ in sizes.groups))
     longest = 0
@@ -1084,11 +1096,12 @@ def full_attention_extent(cache, sizes: Sizes, k, covered):
     hashes cover: its leading run of cached blocks, or, when it is looked up at hash granularity, the
     highest cached boundary inside the next block (as vLLM ``FullAttentionManager.find_longest_cache_hit``
     finds them). Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
-    extent is downward-closed."""
+    extent is downward-closed. The capped group (``sizes.cap_group``) serves only its whole blocks: a hit
+    inside the next block passes the cap (:func:`lookup_cap`)."""
     sg = sizes.groups[k]
     b = sg.block
     run = cache.run_from(k, start=0, unit=b, limit=covered // b) * b
-    if not sg.fine:
+    if not sg.fine or k == sizes.cap_group:
         return run
     a = sizes.alignment
     partial = cache.last_held(k, step=a, lo=run, hi=min_(run + b - a, covered), unit=a, before=1, after=0)

@@ -113,12 +113,17 @@ class Layout:
         prefix_match_unit: the hash unit an operator asked for (vLLM ``prefix_match_unit``), or None for
             the GCD rule.
         name: a label for reports.
+        aux_cap_group: the KV-cache group whose leading whole blocks cap every lookup, or None (vLLM 0.33's
+            auxiliary outputs: ``AuxOutputSchedulerConnector.max_cache_hit`` passes
+            ``min(k * b, N - 1)``, ``k`` the leading blocks of the coordinator's ``full_attention_group_id``
+            that its store or the pool holds). The spec models a full-attention group there.
     """
 
     groups: tuple
     dcp: int = 1
     prefix_match_unit: int | None = None
     name: str = ""
+    aux_cap_group: int | None = None
 
     def __post_init__(self):
         groups = tuple(g if isinstance(g, Group) else Group(**g) for g in self.groups)
@@ -128,6 +133,13 @@ class Layout:
         _positive_int(self.dcp, "DCP world size")
         if self.prefix_match_unit is not None:
             _positive_int(self.prefix_match_unit, "prefix_match_unit")
+        if self.aux_cap_group is not None:
+            g = self.aux_cap_group
+            if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < len(groups):
+                raise ValueError(f"aux_cap_group {g!r} is not a KV-cache group of this layout (0..{len(groups) - 1})")
+            if groups[g].kind is not Kind.FULL:
+                raise ValueError(f"aux_cap_group {g}: a cap by the leading blocks of a {groups[g].kind.value} group "
+                                 "is not modelled by the spec (it models the cap of a full-attention group)")
         hybrid = len(groups) > 1
         for i, g in enumerate(groups):
             sharded = g.dcp_sharded and self.dcp > 1

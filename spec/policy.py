@@ -358,7 +358,7 @@ def unitary_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     (``cap_at_hashes``: ``M`` at most ``|H| * h``)."""
     hashes = num_hashes(sizes, n_tokens)
     sg = sizes.groups[0]
-    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    bound = capped_length(cache, sizes, n_tokens, rules)
     if sg.drops and sg.kind is not Kind.MAMBA and rules.unitary_margin:  # Mamba never drops (as in the loop)
         bound = min_(bound + sg.margin, hash_reach(sizes, n_tokens))
     hit, reach = lookup(cache, sizes, 0, hashes, bound, sg.drops, rules)
@@ -372,6 +372,26 @@ def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
     if rules.cap_at_hashes or rules.declarative:
         return min_(m, hash_reach(sizes, n_tokens))
     return m
+
+
+def lookup_cap(cache, sizes: Sizes, covered):
+    """The leading whole blocks of the capped spec group (``sizes.cap_group``, full attention) within the
+    ``covered`` tokens the hashes cover, in tokens: vLLM 0.33's auxiliary outputs cap every lookup at
+    ``min(k * b, N - 1)`` (``AuxOutputSchedulerConnector.max_cache_hit``), ``k`` the group's leading blocks
+    that the pool or the connector's store holds. The store keeps the blocks the pool held when each request
+    finished; the spec's cache is the pool, and ``k`` its run (where the store holds more, the adapter
+    leaves the lookup to vLLM's code)."""
+    sg = sizes.groups[sizes.cap_group]
+    return cache.run_from(sizes.cap_group, start=0, unit=sg.block, limit=covered // sg.block) * sg.block
+
+
+def capped_length(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM's coordinators start on ``cache``: :func:`max_length_within_hashes`, at most
+    :func:`lookup_cap` on a layout whose lookups are capped."""
+    bound = max_length_within_hashes(sizes, n_tokens, rules)
+    if sizes.cap_group is None:
+        return bound
+    return min_(bound, lookup_cap(cache, sizes, hash_reach(sizes, n_tokens)))
 
 
 def pass_lookup(cache, sizes: Sizes, k, hashes, c, drop, rules: Rules):
@@ -441,7 +461,7 @@ def hybrid_hit_tokens(cache, sizes: Sizes, n_tokens, rules: Rules):
     spec groups led by full attention (the ``simple`` case)."""
     hashes = num_hashes(sizes, n_tokens)
     simple = is_simple(sizes)
-    hit_length = max_length_within_hashes(sizes, n_tokens, rules)
+    hit_length = capped_length(cache, sizes, n_tokens, rules)
     verified = tuple(False for _ in sizes.groups)
     lengths = tuple(0 for _ in sizes.groups)
     longest = 0
@@ -472,11 +492,12 @@ def full_attention_extent(cache, sizes: Sizes, k, covered):
     hashes cover: its leading run of cached blocks, or, when it is looked up at hash granularity, the
     highest cached boundary inside the next block (as vLLM ``FullAttentionManager.find_longest_cache_hit``
     finds them). Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
-    extent is downward-closed."""
+    extent is downward-closed. The capped group (``sizes.cap_group``) serves only its whole blocks: a hit
+    inside the next block passes the cap (:func:`lookup_cap`)."""
     sg = sizes.groups[k]
     b = sg.block
     run = cache.run_from(k, start=0, unit=b, limit=covered // b) * b
-    if not sg.fine:
+    if not sg.fine or k == sizes.cap_group:
         return run
     a = sizes.alignment
     partial = cache.last_held(k, step=a, lo=run, hi=min_(run + b - a, covered), unit=a, before=1, after=0)

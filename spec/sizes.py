@@ -48,6 +48,8 @@ class Sizes:
         hash_lookahead: ``L``; prefill_lookahead: ``Lp``; drop: whether EAGLE groups drop.
         config_block: the smallest per-rank block of the layout (vLLM ``cache_config.block_size``, which
             the scheduler's Mamba chunk rules use).
+        cap_group: the spec group (full attention) whose leading whole blocks cap every lookup (the
+            layout's ``aux_cap_group``: :func:`kvhit.spec.policy.lookup_cap`), or None.
     """
 
     scheduler_block: int
@@ -62,6 +64,7 @@ class Sizes:
     drop: bool
     dcp: int
     config_block: int = 0
+    cap_group: int | None = None
 
     @property
     def eagle_unit(self) -> int:
@@ -174,10 +177,15 @@ def derive_sizes(layout: Layout, speculation: Speculation, scale_replicated: boo
     if (flagged or speculation.drop) and speculation.prefill_lookahead > scheduler_block:
         raise ValueError(f"scheduler block {scheduler_block} is shorter than the prefill lookahead "
                          f"{speculation.prefill_lookahead} (vLLM raises the same)")
+    cap_group = None
+    for k, sg in enumerate(groups):
+        if layout.aux_cap_group in sg.members:
+            cap_group = k
     return Sizes(scheduler_block=scheduler_block, hash_block=h, partial_hits=partial, alignment=alignment,
                  effective_blocks=blocks, groups=tuple(groups), unitary=unitary,
                  hash_lookahead=speculation.hash_lookahead, prefill_lookahead=speculation.prefill_lookahead,
-                 drop=speculation.drop, dcp=layout.dcp, config_block=min(g.block_size for g in layout.groups))
+                 drop=speculation.drop, dcp=layout.dcp, config_block=min(g.block_size for g in layout.groups),
+                 cap_group=cap_group)
 
 
 def num_hashes(sizes: Sizes, n_tokens):

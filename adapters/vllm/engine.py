@@ -93,6 +93,7 @@ from kvhit.refimpl import (
     group_extent,
     group_extents,
     hit_tokens,
+    lookup_cap,
     mamba_at_hash_granularity,
     num_hashes,
     reference_pass,
@@ -403,11 +404,16 @@ def _describe(layout: Layout, speculation: Speculation) -> str:
     extra = f" dcp{layout.dcp}" if layout.dcp > 1 else ""
     if layout.prefix_match_unit is not None:
         extra += f" pmu{layout.prefix_match_unit}"
+    if layout.aux_cap_group is not None:
+        extra += f" aux{layout.aux_cap_group}"
     return f"{'+'.join(parts)}{extra} {speculation.describe()}"
 
 
-def model_coordinator(coordinator: KVCacheCoordinator, release: Release) -> CoordinatorModel:
+def model_coordinator(coordinator: KVCacheCoordinator, release: Release,
+                      aux_cap_group: int | None = None) -> CoordinatorModel:
     """Map a coordinator of vLLM ``release`` to kvhit's layout and check the derived sizes.
+    ``aux_cap_group``: the KV-cache group whose leading blocks cap every lookup (auxiliary outputs:
+    :func:`aux_cap_group`), or None.
 
     Raises:
         Unmodelled: a coordinator, group kind or setting the spec does not model, or derived sizes
@@ -423,10 +429,10 @@ def model_coordinator(coordinator: KVCacheCoordinator, release: Release) -> Coor
     h = _integer(coordinator.block_pool.hash_block_size, "hash_block_size")
     speculation = _speculation_of(coordinator, release)
     try:
-        layout = Layout(groups, dcp=dcp)
+        layout = Layout(groups, dcp=dcp, aux_cap_group=aux_cap_group)
         sizes = derive_sizes(layout, speculation)
         if sizes.hash_block != h and not unitary:
-            layout = Layout(groups, dcp=dcp, prefix_match_unit=h)
+            layout = Layout(groups, dcp=dcp, prefix_match_unit=h, aux_cap_group=aux_cap_group)
             sizes = derive_sizes(layout, speculation)
     except ValueError as e:
         raise Unmodelled(f"the spec rejects the layout: {e}") from e
@@ -664,12 +670,36 @@ def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_h
             would not reach as far as these (:func:`capped_reference` answers it where the model is
             ``capped``).
     """
-    hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
+    cache = model.cache.start(block_hashes, walks)
+    hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, cache)
     if reach != len(block_hashes) * model.sizes.hash_block:
         raise _Capped(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
                       f"{len(block_hashes)} block hashes: the cap is not N - 1, and this coordinator's "
                       "scheduler does not cap lookups (only auxiliary outputs do)")
+    _check_cap(model, cache, reach, max_cache_hit_length)
     return hit, reach, longest
+
+
+def _check_cap(model: CoordinatorModel, cache, covered: int, max_cache_hit_length: int) -> None:
+    """On a layout whose lookups auxiliary outputs cap (``sizes.cap_group``), that vLLM's cap is the spec's.
+
+    vLLM passes ``M = min(k * b, N - 1)``, ``k`` the capped group's leading blocks that the pool or the
+    auxiliary-output store holds; the spec's cap is the pool's run (:func:`refimpl.lookup_cap`), and the two
+    agree unless the store holds blocks the pool evicted. Then, where the capped group is looked up at hash
+    granularity, vLLM may hit inside a block the spec's cap excludes, so the lookup is left to vLLM's code
+    (a fallback, counted): answering the spec's hit could give less than stock.
+
+    Raises:
+        _CapBelowReference: the pool's run is shorter than ``M`` on such a group.
+    """
+    k = model.sizes.cap_group
+    if k is None or not model.sizes.groups[k].fine:
+        return
+    pool = lookup_cap(cache, model.sizes, covered)
+    if pool < max_cache_hit_length:
+        raise _CapBelowReference(f"a lookup capped at {max_cache_hit_length} tokens where the pool holds the "
+                                 f"capped group's first {pool} tokens: the auxiliary-output store holds blocks "
+                                 "the pool evicted, and the spec's cap is the pool's")
 
 
 def capped_reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
@@ -698,7 +728,9 @@ def capped_reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, b
     if not model.capped or n_tokens - 1 < covered:
         raise capped
     walks = _walks(model, block_hashes, n_tokens - 1)
-    hit, reach, longest, _ = model.hit_tokens(n_tokens, model.cache.start(block_hashes, walks))
+    cache = model.cache.start(block_hashes, walks)
+    hit, reach, longest, _ = model.hit_tokens(n_tokens, cache)
+    _check_cap(model, cache, covered, max_cache_hit_length)
     if reach != covered or longest > max_cache_hit_length:
         raise _CapBelowReference(f"a lookup capped at {max_cache_hit_length} tokens: the reference hit of its "
                                  f"{len(block_hashes)} block hashes is {hit}, its shared prefix {longest}")
@@ -1118,7 +1150,8 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
             if reason is not None:
                 raise Unmodelled(f"{model.label}: {reason}")
             if facts.caps:
-                model = dataclasses.replace(model, capped=True)
+                model = dataclasses.replace(model_coordinator(coordinator, release, aux_cap_group(coordinator)),
+                                            capped=True)
         except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
             why = str(e) if isinstance(e, Unmodelled) else (
                 f"kvhit could not read the layout ({type(e).__name__}: {e}); this is kvhit's bug, please "
@@ -1241,27 +1274,28 @@ def connector_reason(model: CoordinatorModel, connector: str) -> str | None:
             "connector")
 
 
+def aux_cap_group(coordinator: KVCacheCoordinator) -> int:
+    """The KV-cache group whose leading blocks cap every lookup of a scheduler with auxiliary outputs (vLLM
+    0.33 ``AuxOutputSchedulerConnector``: its coordinator's ``full_attention_group_id``, else 0)."""
+    return getattr(coordinator, "full_attention_group_id", None) or 0
+
+
 def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> str | None:
-    """Why auxiliary outputs leave ``model``'s layout to vLLM, or None: where their cap never binds.
+    """Why auxiliary outputs leave ``model``'s layout to vLLM, or None: where the spec models their cap.
 
     vLLM 0.33's ``AuxOutputSchedulerConnector.max_cache_hit`` caps each lookup at
-    ``M = min(k * b, N - 1)``, ``k`` the leading blocks of KV-cache group ``g`` (its coordinator's
-    ``full_attention_group_id``, else 0; block ``b``) that its own store or that group's pool holds. When
-    ``g`` is full attention looked up at its block, the blocks the pool holds from the start are part of
-    ``k``, so ``M`` is at least ``min(N - 1, that group's cached prefix)``. Every length the reference hits
-    or records as a shared prefix is at most ``N - 1`` and served by ``g``'s spec group, so within its
-    cached prefix: at most ``M``. The capped lookup's answer is then the uncapped one
-    (:func:`capped_reference`), and the write side is the reference's as without the cap. Where ``g`` is
-    another kind, or full attention with partial hits (a hit inside a block, past ``k * b``), the cap can
-    bind, and the spec models no cap: the layout is left to vLLM."""
-    gid = getattr(coordinator, "full_attention_group_id", None) or 0
+    ``M = min(k * b, N - 1)``, ``k`` the leading blocks of KV-cache group ``g`` (:func:`aux_cap_group`;
+    block ``b``) that its own store or that group's pool holds. The spec models that cap where ``g`` is full
+    attention (``Layout.aux_cap_group``, ``refimpl.lookup_cap``: the pool's run; :func:`_check_cap` leaves a
+    lookup whose store holds more to vLLM's code): the read side is capped, and the write side keeps state
+    where the capped reference resumes. A cap by another kind's leading blocks is not modelled."""
+    gid = aux_cap_group(coordinator)
     sg = model.sizes.groups[model.spec_group_of[gid]]
-    if sg.kind is Kind.FULL and not sg.fine:
+    if sg.kind is Kind.FULL:
         return None
-    kind = "full attention with partial hits" if sg.kind is Kind.FULL else sg.kind.value
     return (f"the scheduler has auxiliary outputs (aux_output_config), whose cap on each lookup "
-            f"(max_cache_hit) is the leading blocks of KV-cache group {gid}, {kind} here: it can cap below "
-            "the reference hit, and the spec models no cap below N - 1")
+            f"(max_cache_hit) is the leading blocks of KV-cache group {gid}, {sg.kind.value} here: the spec "
+            "models the cap of a full-attention group")
 
 
 def scheduler_init_seam(original: Callable, facts_of: Callable[[object], SchedulerFacts]) -> Callable:
@@ -1316,7 +1350,8 @@ def write_status(model: CoordinatorModel | None, unmodelled: str | None = None) 
         status.update(
             label=model.label,
             layout={"groups": groups, "dcp": model.layout.dcp,
-                    "prefix_match_unit": model.layout.prefix_match_unit},
+                    "prefix_match_unit": model.layout.prefix_match_unit,
+                    "aux_cap_group": model.layout.aux_cap_group},
             speculation={"mode": model.speculation.mode.value,
                          "num_speculative_tokens": model.speculation.num_speculative_tokens,
                          "multi_module_mtp": model.speculation.multi_module_mtp},

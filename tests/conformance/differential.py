@@ -86,8 +86,11 @@ def to_harness(layout: Layout) -> dict:
         if mla and g.kind.value in ("full", "swa"):
             d["mla"] = True
         groups.append(d)
-    return {"name": layout.name or "random", "dcp": layout.dcp, "prefix_match_unit": layout.prefix_match_unit,
-            "groups": groups}
+    out = {"name": layout.name or "random", "dcp": layout.dcp, "prefix_match_unit": layout.prefix_match_unit,
+           "groups": groups}
+    if layout.aux_cap_group is not None:
+        out["aux_cap_group"] = layout.aux_cap_group
+    return out
 
 
 def describe_layout(layout: Layout) -> str:

@@ -108,3 +108,27 @@ def test_write_side_comparison_on_a_held_prefix_catches_a_state_inside_the_looka
     with pytest.raises(Mismatch, match=r"KV-cache group 1 \(spec group 1, mamba 32\)(.|\n)*"
                                        r"vLLM 0.33.0: 16..176\n  model \[vllm_0_33\]: 16..192"):
         run_write_scenario(scenario, WriteStats())
+
+
+def test_a_spec_that_ignores_the_auxiliary_outputs_cap_is_caught(monkeypatch):
+    """The comparison under auxiliary outputs (``test_hit_tokens_matches_vllm_under_auxiliary_outputs``) is not
+    vacuous: with vLLM's connector capping the lookups and the spec's layout without the cap
+    (``aux_cap_group`` None), streams on ``qwen3next_pmu160`` (full attention read at hash granularity, where
+    the cap binds inside a block) mismatch."""
+    from . import differential
+
+    harness_layout = differential.to_harness
+    monkeypatch.setattr(differential, "to_harness", lambda layout: {**harness_layout(layout), "aux_cap_group": 0})
+    caught = []
+
+    @settings(max_examples=100, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(scenario=scenarios(to_refimpl(CATALOGUE["qwen3next_pmu160"])))
+    def run(scenario):
+        try:
+            run_scenario(scenario, Stats())
+        except Mismatch as e:
+            caught.append(str(e))
+
+    run()
+    assert caught and "hit mismatch" in caught[0], caught[:1]

@@ -45,11 +45,11 @@ def _timed(scenario):
         STATS.seconds += time.perf_counter() - start
 
 
-def _case_test(name, dcp, mode):
-    layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp))
+def _case_test(name, dcp, mode, aux_cap_group=None, examples=None):
+    layout = to_refimpl(replace(CATALOGUE[name], dcp=dcp, aux_cap_group=aux_cap_group))
     specs = [s for s in SPECULATIONS if s.mode.value == mode]
 
-    @settings(max_examples=PER_CASE[(name, dcp, mode)], deadline=None,
+    @settings(max_examples=examples or PER_CASE[(name, dcp, mode)], deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(scenario=scenarios(layout, specs))
     def run(scenario):
@@ -68,3 +68,15 @@ def test_hit_tokens_matches_vllm(name, dcp, mode):
 @given(data=random_layouts().flatmap(scenarios))
 def test_hit_tokens_matches_vllm_on_random_layouts(data):
     _timed(data)
+
+
+# Auxiliary outputs (vLLM 0.33; vLLM 0.32's cap nothing): vLLM's own AuxOutputSchedulerConnector caps every
+# lookup at the leading blocks of full attention (KV-cache group 0 in these layouts), the spec's
+# Layout.aux_cap_group. With partial hits (qwen3next_pmu160) the cap binds inside the hit.
+AUX_CASES = [(name, mode) for name in ("llama_eagle", "qwen3next", "qwen3next_pmu160", "gemma")
+             for mode in MODES if has_mode(to_refimpl(CATALOGUE[name]), mode)] if VLLM_VERSION == "0.33.0" else []
+
+if AUX_CASES:
+    @pytest.mark.parametrize("name, mode", AUX_CASES, ids=[f"{VLLM_VERSION}-{n}-aux-{m}" for n, m in AUX_CASES])
+    def test_hit_tokens_matches_vllm_under_auxiliary_outputs(name, mode):
+        _case_test(name, 1, mode, aux_cap_group=0, examples=max(PER_CASE.values()))()

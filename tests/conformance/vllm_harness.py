@@ -281,9 +281,9 @@ def resolve_manager_mode(
 
 
 def _validate_layout(layout: dict) -> None:
-    if set(layout) != LAYOUT_KEYS:
+    if not LAYOUT_KEYS <= set(layout) <= LAYOUT_KEYS | {"aux_cap_group"}:
         raise ValueError(
-            f"layout keys must be exactly {sorted(LAYOUT_KEYS)}, got {sorted(layout)}"
+            f"layout keys must be {sorted(LAYOUT_KEYS)} (and 'aux_cap_group'), got {sorted(layout)}"
         )
     if not layout["groups"]:
         raise ValueError("layout has no groups")
@@ -488,6 +488,17 @@ class VllmHarness:
             raise ValueError(str(e) or repr(e)) from e
 
         coordinator = self.manager.coordinator
+        # Auxiliary outputs (layout["aux_cap_group"], vLLM 0.33): vLLM's own scheduler-side connector caps
+        # every lookup (max_cache_hit). It is never told a request finished, so its store holds nothing and
+        # its cap counts the pool's blocks alone, as the spec's does (Layout.aux_cap_group).
+        self.aux = None
+        if layout.get("aux_cap_group") is not None:
+            from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+            self.aux = AuxOutputSchedulerConnector(self.manager)
+            if self.aux._group_id != layout["aux_cap_group"]:
+                raise ValueError(f"vLLM's auxiliary outputs cap at KV-cache group {self.aux._group_id}, the "
+                                 f"layout says {layout['aux_cap_group']}")
         if isinstance(coordinator, HybridKVCacheCoordinator):
             a_used = coordinator._cache_hit_alignment_tokens
         elif isinstance(coordinator, UnitaryKVCacheCoordinator):
@@ -554,8 +565,15 @@ class VllmHarness:
         Returns:
             ``{"hit": num_new_computed_tokens, "spb": shared_prefix_boundary}``.
         """
-        _, hit, spb = self.manager.get_computed_blocks(self._new_request(tokens))
+        _, hit, spb = self._computed_blocks(self._new_request(tokens))
         return {"hit": hit, "spb": spb}
+
+    def _computed_blocks(self, req: Request):
+        """``KVCacheManager.get_computed_blocks``, capped by the auxiliary outputs' connector if any (as
+        the scheduler does)."""
+        if self.aux is None:
+            return self.manager.get_computed_blocks(req)
+        return self.manager.get_computed_blocks(req, self.aux.max_cache_hit(req))
 
     def serve(self, tokens: Sequence[int], decode_steps: int = 2) -> dict:
         """Run one request through admission, chunked prefill, decode and free.
@@ -592,7 +610,7 @@ class VllmHarness:
 
         # Admission step (scheduler.py, waiting queue).
         mgr.new_step_starts()
-        blocks, hit, spb = mgr.get_computed_blocks(req)
+        blocks, hit, spb = self._computed_blocks(req)
         req.shared_prefix_boundary = spb
         num_new = min(req.num_tokens - hit, self._sched.max_num_scheduled_tokens)
         if self._sched.need_mamba_block_aligned_split:

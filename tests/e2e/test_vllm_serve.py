@@ -50,7 +50,8 @@ def engine_layout(status: dict) -> tuple[Layout, Speculation]:
     assert status["modelled"], f"kvhit did not model the engine's layout: {status.get('unmodelled')}"
     layout = status["layout"]
     groups = tuple(Group(**g) for g in layout["groups"])
-    return (Layout(groups, layout["dcp"], layout["prefix_match_unit"]), Speculation(**status["speculation"]))
+    return (Layout(groups, layout["dcp"], layout["prefix_match_unit"], aux_cap_group=layout.get("aux_cap_group")),
+            Speculation(**status["speculation"]))
 
 
 def predicted_cached_tokens(layout: Layout, speculation: Speculation, n: int, rules) -> tuple[int, int]:
