@@ -50,6 +50,11 @@ def _beyond_catalogue():
     qwen35 = (Group(F, 1600, eagle=True),) + (Group(M, 1600),) * 3
     out.append(Layout(qwen35, name="qwen35"))
     out.append(Layout(qwen35, prefix_match_unit=160, name="qwen35_pmu160"))
+    # Auxiliary outputs (routed experts, vLLM 0.33) on a Nemotron-H-like MoE with MTP, as the real Scheduler
+    # builds it (tests/adapter/test_scheduler_plugin.py, "aux-pmu160-mtp1-drop"): full attention holding the
+    # MTP layers, read at hash granularity, caps every lookup at its leading whole blocks
+    out.append(Layout((Group(F, 1600, eagle=True), Group(M, 1600)), prefix_match_unit=160, aux_cap_group=0,
+                      name="full1600e_mamba1600_pmu160_aux"))
     return out
 
 

@@ -10,10 +10,13 @@ def eagle_loses_at_most_one_block_beyond_alignment(ctx):
     """For every N and cache state, with H0 the hit without speculation and H1 the hit with it:
     (a) if H0 <= R1 and every group serves H0 with speculation (each dropping EAGLE group holds its drop
     unit past H0), then H1 >= H0; and (b) if every group holds every block up to N's hashes, then
-    H1 >= floor_A(min(N - 1, R1 - D)). Here R1 = |H| * h with speculation (lookahead hashes make |H| =
-    (N - L) // h), and D, "one eagle block", is the drop unit: in drop mode the largest eagle margin of a
-    dropping group (its block, or h when it is looked up at hash granularity); 0 in lookahead mode. (Both
-    hits are of runs of vLLM's loop that stop, as every loop claim assumes.)"""
+    H1 >= floor_A(min(N - 1, R1 - D, C1)). Here R1 = |H| * h with speculation (lookahead hashes make |H| =
+    (N - L) // h), D, "one eagle block", is the drop unit: in drop mode the largest eagle margin of a
+    dropping group (its block, or h when it is looked up at hash granularity); 0 in lookahead mode; and C1
+    the scheduler's cap with speculation, where auxiliary outputs cap lookups (the capped group's whole
+    blocks within R1, so lookahead hashes can cost a whole block of it: full 1600 at hash unit 160, N = 3200,
+    L = 1 hits 1600 where 3040 without); R1 without them. (Both hits are of runs of vLLM's loop that stop, as
+    every loop claim assumes.)"""
     sizes1 = ctx.sizes()
     h0, _, _, converged0 = ctx.hit(NO_SPECULATION)
     h1, _, _, converged = ctx.hit()
@@ -24,7 +27,8 @@ def eagle_loses_at_most_one_block_beyond_alignment(ctx):
     r0 = ctx.P.num_hashes(sizes0, ctx.n) * sizes0.hash_block
     peek_held = and_(h0 <= r1, ctx.serves(h0))
     part_a = or_(not_(peek_held), h1 >= h0)
-    bound = ctx.probe(floor_to(min_(ctx.n - 1, r1 - sizes1.eagle_unit), sizes1.alignment))
+    top = ctx.P.capped_top(ctx.cache, sizes1, min_(ctx.n - 1, r1 - sizes1.eagle_unit), r1)
+    bound = ctx.probe(floor_to(top, sizes1.alignment))
     part_b = or_(not_(ctx.dense(r0)), h1 >= bound)
     return and_(converged0, converged), and_(part_a, part_b)
 

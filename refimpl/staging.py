@@ -5,8 +5,8 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 23e72cb1f722a641e0b63b951e4716eea858173e78397a02e0f1554b1c89952e
-output-sha256: 4e8c66c663893763faafd19027c51a16358058c06e8988c25b268c0af357b717
+spec-sha256: 33e0b5e43b0f196dbc0bd056cc0495f2e447c81b1c5938cb9788c207a9c13ead
+output-sha256: c1e9050dea8d620072e7fb508362fd988139a8e2689b1eaee7c5c0dcdd37204e
 """
 
 from __future__ import annotations
@@ -1015,13 +1015,17 @@ def max_length_within_hashes(sizes: Sizes, n_tokens, rules: Rules):
         return min_(m, hash_reach(sizes, n_tokens))
     return m
 
-def capped_length(cache, sizes: Sizes, n_tokens, rules: Rules):
-    """Where vLLM's coordinators start on ``cache``: :func:`max_length_within_hashes`, at most
-    :func:`lookup_cap` on a layout whose lookups are capped."""
-    bound = max_length_within_hashes(sizes, n_tokens, rules)
+def capped_top(cache, sizes: Sizes, bound, covered):
+    """``bound``, at most :func:`lookup_cap` on a layout whose lookups are capped (``covered``: the tokens
+    the hashes cover)."""
     if sizes.cap_group is None:
         return bound
-    return min_(bound, lookup_cap(cache, sizes, hash_reach(sizes, n_tokens)))
+    return min_(bound, lookup_cap(cache, sizes, covered))
+
+def capped_length(cache, sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM's coordinators start on ``cache``: :func:`max_length_within_hashes` within the cap
+    (:func:`capped_top`)."""
+    return capped_top(cache, sizes, max_length_within_hashes(sizes, n_tokens, rules), hash_reach(sizes, n_tokens))
 
 def pass_lookup(cache, sizes: Sizes, k, hashes, c, drop, rules: Rules):
     """Spec group ``k``'s lookup in a pass of vLLM's loop at candidate ``c``: ``(length, reach)``. With
@@ -1096,12 +1100,11 @@ def full_attention_extent(cache, sizes: Sizes, k, covered):
     hashes cover: its leading run of cached blocks, or, when it is looked up at hash granularity, the
     highest cached boundary inside the next block (as vLLM ``FullAttentionManager.find_longest_cache_hit``
     finds them). Hashes are prefix-chained, so a cached boundary vouches for every token before it: the
-    extent is downward-closed. The capped group (``sizes.cap_group``) serves only its whole blocks: a hit
-    inside the next block passes the cap (:func:`lookup_cap`)."""
+    extent is downward-closed."""
     sg = sizes.groups[k]
     b = sg.block
     run = cache.run_from(k, start=0, unit=b, limit=covered // b) * b
-    if not sg.fine or k == sizes.cap_group:
+    if not sg.fine:
         return run
     a = sizes.alignment
     partial = cache.last_held(k, step=a, lo=run, hi=min_(run + b - a, covered), unit=a, before=1, after=0)
@@ -1137,8 +1140,12 @@ def group_serves(cache, sizes: Sizes, k, x, extent, covered, rules: Rules):
     return cache.window(k, x, unit=b, before=x % sg.chunk // b, after=0)
 
 def serves_all(cache, sizes: Sizes, x, extents, covered, rules: Rules):
-    """Whether every spec group can serve a hit of ``x`` tokens (see :func:`group_serves`)."""
+    """Whether every spec group can serve a hit of ``x`` tokens (see :func:`group_serves`), within the cap
+    of a layout whose lookups are capped (:func:`lookup_cap`: a hit past it is not the scheduler's to
+    take, though a dropping group's unit past it may be cached, as vLLM's peek finds it)."""
     ok = True
+    if sizes.cap_group is not None:
+        ok = x <= lookup_cap(cache, sizes, covered)
     for k in range(len(sizes.groups)):
         ok = and_(ok, group_serves(cache, sizes, k, x, extents[k], covered, rules))
     return ok
@@ -1163,7 +1170,7 @@ def reference_pass(cache, sizes: Sizes, bound, extents, covered, rules: Rules):
     next is not (its block is not), and every point of an earlier chunk is at most the chunk start, which
     needs no block.
     """
-    top = bound
+    top = capped_top(cache, sizes, bound, covered)
     for k, sg in enumerate(sizes.groups):
         if sg.kind is Kind.FULL:
             top = min_(top, extents[k])
@@ -1184,7 +1191,7 @@ def shared_prefix_tokens(cache, sizes: Sizes, bound, extents, covered, rules: Ru
     shared system prompt served to diverging requests). vLLM's loop gets the same from its first lookup's
     candidate.
     """
-    top = bound
+    top = capped_top(cache, sizes, bound, covered)
     members = prefix_groups(sizes)
     for k in members:
         if sizes.groups[k].kind is Kind.FULL:

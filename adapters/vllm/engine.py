@@ -93,7 +93,6 @@ from kvhit.refimpl import (
     group_extent,
     group_extents,
     hit_tokens,
-    lookup_cap,
     mamba_at_hash_granularity,
     num_hashes,
     reference_pass,
@@ -670,36 +669,12 @@ def _reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_h
             would not reach as far as these (:func:`capped_reference` answers it where the model is
             ``capped``).
     """
-    cache = model.cache.start(block_hashes, walks)
-    hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, cache)
+    hit, reach, longest, _ = model.hit_tokens(max_cache_hit_length + 1, model.cache.start(block_hashes, walks))
     if reach != len(block_hashes) * model.sizes.hash_block:
         raise _Capped(f"a lookup capped at {max_cache_hit_length} tokens for a request with "
                       f"{len(block_hashes)} block hashes: the cap is not N - 1, and this coordinator's "
                       "scheduler does not cap lookups (only auxiliary outputs do)")
-    _check_cap(model, cache, reach, max_cache_hit_length)
     return hit, reach, longest
-
-
-def _check_cap(model: CoordinatorModel, cache, covered: int, max_cache_hit_length: int) -> None:
-    """On a layout whose lookups auxiliary outputs cap (``sizes.cap_group``), that vLLM's cap is the spec's.
-
-    vLLM passes ``M = min(k * b, N - 1)``, ``k`` the capped group's leading blocks that the pool or the
-    auxiliary-output store holds; the spec's cap is the pool's run (:func:`refimpl.lookup_cap`), and the two
-    agree unless the store holds blocks the pool evicted. Then, where the capped group is looked up at hash
-    granularity, vLLM may hit inside a block the spec's cap excludes, so the lookup is left to vLLM's code
-    (a fallback, counted): answering the spec's hit could give less than stock.
-
-    Raises:
-        _CapBelowReference: the pool's run is shorter than ``M`` on such a group.
-    """
-    k = model.sizes.cap_group
-    if k is None or not model.sizes.groups[k].fine:
-        return
-    pool = lookup_cap(cache, model.sizes, covered)
-    if pool < max_cache_hit_length:
-        raise _CapBelowReference(f"a lookup capped at {max_cache_hit_length} tokens where the pool holds the "
-                                 f"capped group's first {pool} tokens: the auxiliary-output store holds blocks "
-                                 "the pool evicted, and the spec's cap is the pool's")
 
 
 def capped_reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, block_hashes: Sequence,
@@ -728,9 +703,7 @@ def capped_reference(coordinator: KVCacheCoordinator, model: CoordinatorModel, b
     if not model.capped or n_tokens - 1 < covered:
         raise capped
     walks = _walks(model, block_hashes, n_tokens - 1)
-    cache = model.cache.start(block_hashes, walks)
-    hit, reach, longest, _ = model.hit_tokens(n_tokens, cache)
-    _check_cap(model, cache, covered, max_cache_hit_length)
+    hit, reach, longest, _ = model.hit_tokens(n_tokens, model.cache.start(block_hashes, walks))
     if reach != covered or longest > max_cache_hit_length:
         raise _CapBelowReference(f"a lookup capped at {max_cache_hit_length} tokens: the reference hit of its "
                                  f"{len(block_hashes)} block hashes is {hit}, its shared prefix {longest}")
@@ -1281,18 +1254,29 @@ def aux_cap_group(coordinator: KVCacheCoordinator) -> int:
 
 
 def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> str | None:
-    """Why auxiliary outputs leave ``model``'s layout to vLLM, or None: where the spec models their cap.
+    """Why auxiliary outputs leave ``model``'s layout to vLLM, or None: where the spec's write side is proved
+    under their cap.
 
     vLLM 0.33's ``AuxOutputSchedulerConnector.max_cache_hit`` caps each lookup at
     ``M = min(k * b, N - 1)``, ``k`` the leading blocks of KV-cache group ``g`` (:func:`aux_cap_group`;
     block ``b``) that its own store or that group's pool holds. The spec models that cap where ``g`` is full
-    attention (``Layout.aux_cap_group``, ``refimpl.lookup_cap``: the pool's run; :func:`_check_cap` leaves a
-    lookup whose store holds more to vLLM's code): the read side is capped, and the write side keeps state
-    where the capped reference resumes. A cap by another kind's leading blocks is not modelled."""
+    attention (``Layout.aux_cap_group``, ``refimpl.lookup_cap``). Where ``g`` is read at its block its
+    extent is its run, so the cap never binds below what the group serves: the capped reference is the
+    uncapped one, read side and write side, and the layout is enforced (a capped lookup is answered by
+    :func:`capped_reference`). Where ``g`` is read at hash granularity the cap binds inside a block, and the
+    reference's write side under it is refuted never below vLLM's (``kvhit prove --extended``,
+    ``reference_never_below_vllm`` on ``full1600e_mamba1600_pmu160_aux``): the layout is left to vLLM, as
+    is a cap by another kind's leading blocks."""
     gid = aux_cap_group(coordinator)
     sg = model.sizes.groups[model.spec_group_of[gid]]
-    if sg.kind is Kind.FULL:
+    if sg.kind is Kind.FULL and not sg.fine:
         return None
+    if sg.kind is Kind.FULL:
+        return ("the scheduler has auxiliary outputs (aux_output_config), whose cap on each lookup "
+                f"(max_cache_hit) is the leading whole blocks of KV-cache group {gid}, full attention read at "
+                "hash granularity: the cap binds inside a block, and the spec's write side under it is not proved "
+                "never below vLLM's (a prompt of 2080 tokens, its first 801, then its first 1600: the reference "
+                "hits 0 where vLLM hits 800)")
     return (f"the scheduler has auxiliary outputs (aux_output_config), whose cap on each lookup "
             f"(max_cache_hit) is the leading blocks of KV-cache group {gid}, {sg.kind.value} here: the spec "
             "models the cap of a full-attention group")

@@ -49,9 +49,8 @@ EXPECTED_SETUP = {
 }
 # Auxiliary outputs (MoE targets on model runner V2: a Mixtral with the Llama's EAGLE draft, a Nemotron-H with
 # an MoE layer): their connector caps each lookup at full attention's leading blocks (the layout's
-# aux_cap_group), which binds below an uncapped hit only where full attention is read at hash granularity
-# (prefix_match_unit 160 on 1600-token blocks: a hit inside a block). Every layout is enforced, the capped
-# one with the write side of the capped reference (scheduler_run, "aux-*").
+# aux_cap_group), which never binds below the reference hit where full attention is read at its block, so
+# these layouts are enforced (scheduler_run, "aux-*"; at hash granularity, tests/adapter/test_whole_layout_stock.py).
 
 
 def _aux(setup):
@@ -61,9 +60,6 @@ def _aux(setup):
 
 EXPECTED_SETUP["aux-eagle-drop"] = _aux(EXPECTED_SETUP["eagle-drop"])
 EXPECTED_SETUP["aux-mtp2-drop"] = _aux(EXPECTED_SETUP["mtp2-drop"])
-EXPECTED_SETUP["aux-pmu160-mtp1-drop"] = (
-    R.Layout(MTP_LAYOUT.groups, prefix_match_unit=160, aux_cap_group=0), R.Speculation("drop", 1),
-    [("FullAttentionSpec", 1600, True, True, 3), ("MambaSpec", 1600, False, False, 3)])
 for _dcp in (2, 4, 8):
     for _mode in ("drop", "lookahead"):
         EXPECTED_SETUP[f"mtp2-{_mode}-dcp{_dcp}"] = (
@@ -217,7 +213,7 @@ _FIRST_REPEATS = [pytest.param(s, n, id=f"{s}-N{n}") for s, n in (
     # reference keeps that Mamba state too (refimpl.resume_points on the decoded cache). Before it did,
     # enforce got 4800 here where stock vLLM gets 6400.
     ("mtp2-drop", 8000), ("swa-eagle-drop", 1000), ("aux-eagle-drop", 1024), ("aux-mtp2-drop", 8000),
-    ("aux-mtp2-drop", 11910), ("aux-pmu160-mtp1-drop", 11910)) + tuple(
+    ("aux-mtp2-drop", 11910)) + tuple(
     (f"{label}-drop-dcp{dcp}", 1024) for label in ("eagle", "eagle-replicated") for dcp in (2, 4, 8)) + tuple(
     # Under DCP the full-attention block (3200 at DCP 2) exceeds the hash unit 1600: the decode step leaves a
     # partial-tail entry at 8000, so a resend resumes at 6400 (stock vLLM too). The reference keeps that Mamba
@@ -258,30 +254,12 @@ def test_auxiliary_outputs_cap_lookups_below_n_minus_1_and_enforce_answers_them(
     admission) below ``N - 1`` where full attention holds fewer blocks, and enforce answers every lookup
     (none falls back to vLLM's code) with the reference hit (the tests above; on aux-eagle-drop that hit is
     not stock vLLM's, so the layout is enforced, not left to vLLM)."""
-    capped = [s for name in ("aux-eagle-drop", "aux-mtp2-drop", "aux-pmu160-mtp1-drop")
+    capped = [s for name in ("aux-eagle-drop", "aux-mtp2-drop")
               for s in runs["enforce"][0]["scenarios"][name]["served"] if s["aux_cap"] < s["prompt_len"] - 1]
     assert len(capped) >= 3 and any(s["num_cached_tokens"] > 0 for s in capped), capped
     assert all(s["num_cached_tokens"] <= s["aux_cap"] for s in capped), capped
     counters = runs["enforce"][0]["kvhit_counters"]
     assert counters["kvhit_enforce_fallbacks"] == 0, counters
-
-
-def test_a_cap_that_binds_below_the_hit_is_the_references_too_and_its_resume_point_is_kept(runs):
-    """aux-pmu160-mtp1-drop: full attention is read at hash granularity, so the cap (its leading whole blocks)
-    binds below the uncapped reference hit of the 11910-token prompt. The reference is then the longest hit
-    within the cap, its write side keeps the Mamba state where that hit resumes, and every repeat from the
-    first hits it, more than stock vLLM; at every request enforce hits at least what stock does."""
-    scenario, n = "aux-pmu160-mtp1-drop", 11910
-    layout, speculation, _ = EXPECTED_SETUP[scenario]
-    everything = [n] * len(R.derive_sizes(layout, speculation).groups)
-    uncapped = dataclasses.replace(layout, aux_cap_group=None)
-    assert R.hit(layout, speculation, n, everything, "reference") < R.hit(uncapped, speculation, n, everything,
-                                                                         "reference")
-    stock, enforce = (runs[run][0]["scenarios"][scenario]["served"] for run in ("stock", "enforce"))
-    hits = [(s["num_cached_tokens"], e["num_cached_tokens"]) for s, e in zip(stock, enforce)]
-    assert all(e >= s for s, e in hits), hits
-    first_repeat = hits[1]
-    assert first_repeat[1] == _steady(scenario, n) > first_repeat[0], hits
 
 
 def test_kvhit_mode_off_leaves_the_scheduler_byte_identical_to_stock(runs):

@@ -4,16 +4,17 @@ Enforce promises that the first repeat of a prompt hits what the second does, an
 reference read side on vLLM's write side promises neither. So where the spec does not model a layout's write
 side (a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP; EAGLE drop
 mode in which only Mamba groups drop; a retention interval its write side rejects), or
-the scheduler's config adds what the spec does not model there (auxiliary outputs that cap lookups at another
-kind's leading blocks than full attention's; a KV connector kvhit has not checked or one beside a group that
-is not full attention, in ``tests/adapter/test_connectors.py``), the coordinator is unmodelled: logged once, counted in
+the scheduler's config adds what the spec does not model there (auxiliary outputs whose cap binds inside a
+block, where the write side under it is not proved never below vLLM's, or caps at another kind's blocks than
+full attention's; a KV connector kvhit has not checked or one beside a group that is not full attention, in
+``tests/adapter/test_connectors.py``), the coordinator is unmodelled: logged once, counted in
 ``kvhit_unmodelled_layouts_total``, and reported in the status file. Shadow does the same, so that its counters say what enforce does.
 
-One test per reason on vLLM's ``KVCacheManager``. (The real ``Scheduler`` builds ``qwen3next_pmu160`` and
-``three_kind`` with two MTP modules in drop mode with the MTP layers in full attention: the Mamba group does not
-drop, and enforce owns those layouts, ``tests/adapter/test_fine_mamba.py``. With auxiliary outputs, whose cap
-binds there, it enforces ``qwen3next_pmu160`` with one MTP module in drop mode too:
-``tests/adapter/test_scheduler_plugin.py``, ``aux-pmu160-mtp1-drop``.)
+Through vLLM's real ``Scheduler`` (``tests/adapter/scheduler_run.py``, one process per mode) for a Nemotron-H
+with auxiliary outputs and partial hits; then one test per reason on vLLM's ``KVCacheManager``. (The real
+``Scheduler`` builds ``qwen3next_pmu160`` and ``three_kind`` with two MTP modules in drop mode with the MTP
+layers in full attention: the Mamba group does not drop, and enforce owns those layouts,
+``tests/adapter/test_fine_mamba.py``.)
 """
 
 from __future__ import annotations
@@ -29,11 +30,53 @@ from prometheus_client import REGISTRY
 import kvhit.adapters.vllm as kvhit_vllm
 import kvhit.refimpl as R
 from kvhit.adapters.vllm import engine, v0_33
+from tests.adapter import child_runs
 from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 from tests.conformance.vllm_harness import VllmHarness
 
 
 HASH_GRANULAR = engine.FINE_MAMBA_MTP_DROP
+# scenario -> (what the unmodelled reason names, the catalogue layout it is)
+SCENARIOS = {
+    # Auxiliary outputs cap each lookup at the leading whole blocks of full attention, which a hit inside a
+    # block passes (prefix_match_unit 160 on 1600-token blocks): the spec models the cap, but its write side
+    # under it is refuted never below vLLM's; without them the layout is enforced (tests/adapter/test_fine_mamba.py)
+    "aux-pmu160-mtp1-drop": ("auxiliary outputs", "qwen3next_pmu160"),
+}
+MODES = ("stock", "shadow", "enforce")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{mode: result}`` of the scenarios above, each mode in a process of its own, started together."""
+    return child_runs.scheduler_modes(tmp_path_factory.mktemp("whole_layout_stock"), SCENARIOS, MODES)
+
+
+_hits = child_runs.served_hits
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+def test_a_layout_kvhit_cannot_enforce_whole_is_served_exactly_as_stock(runs, scenario, mode):
+    """Every ``SchedulerOutput`` (tokens, chunks, block ids) and ``EngineCoreOutput`` of the stream, so
+    every request's hit (a resend, a second resend, a longer sibling, prompts sharing a prefix, the
+    prompt again), is stock vLLM's."""
+    stock, run = (child_runs.scheduled(runs[name], scenario) for name in ("stock", mode))
+    assert _hits(runs[mode], scenario) == _hits(runs["stock"], scenario)
+    assert json.dumps(run, sort_keys=True) == json.dumps(stock, sort_keys=True)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+def test_the_layout_is_reported_unmodelled_with_the_reason(runs, scenario, mode):
+    """The status file says ``modelled: false`` with the reason, the layout is counted once, and kvhit
+    computed no lookup (shadow compares none: enforce would change none)."""
+    why, _ = SCENARIOS[scenario]
+    status = runs[mode]["scenarios"][scenario]["kvhit_status"]
+    assert (status["mode"], status["modelled"]) == (mode, False) and why in status["unmodelled"], status
+    counters = runs[mode]["kvhit_counters"]
+    assert counters == {"kvhit_unmodelled_layouts": len(SCENARIOS), "vllm:kvhit_lookups": 0,
+                        "kvhit_enforce_fallbacks": 0}, counters
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,46 +350,25 @@ def _fallbacks() -> float:
                for s in m.samples if s.name.endswith("_total"))
 
 
-def test_auxiliary_outputs_capping_at_another_kinds_blocks_leave_the_layout_to_vllm():
-    """The spec models the cap of auxiliary outputs (``Layout.aux_cap_group``) at a full-attention group's
-    leading blocks; where the coordinator has none (group 0 is Mamba) the cap is another kind's, and the
-    reason says so."""
+def test_auxiliary_outputs_leave_the_layout_to_vllm_where_their_cap_binds_or_is_another_kinds():
+    """:func:`engine.aux_cap_reason`: None (enforced, modelled with the cap) where the capped group is full
+    attention read at its block; a reason where it is read at hash granularity (the cap binds inside a block
+    and the write side under it is refuted never below vLLM's) and where the coordinator has no full
+    attention (group 0 is Mamba)."""
     from kvhit.convert import to_refimpl
 
-    model = types.SimpleNamespace(sizes=R.derive_sizes(to_refimpl(_mamba16()), speculation("none")),
-                                  spec_group_of=(0,))
-    reason = engine.aux_cap_reason(types.SimpleNamespace(full_attention_group_id=None), model)
-    assert reason is not None and "mamba" in reason and "KV-cache group 0" in reason, reason
-    full = types.SimpleNamespace(sizes=R.derive_sizes(refimpl_layout("qwen3next_pmu160"), speculation("drop")),
-                                 spec_group_of=(0, 1))
-    assert engine.aux_cap_reason(types.SimpleNamespace(full_attention_group_id=0), full) is None
+    def reason(layout, mode, gid):
+        sizes = R.derive_sizes(layout, speculation(mode))
+        spec_group_of = [0] * len(layout.groups)
+        for k, sg in enumerate(sizes.groups):
+            for m in sg.members:
+                spec_group_of[m] = k
+        model = types.SimpleNamespace(sizes=sizes, spec_group_of=tuple(spec_group_of))
+        return engine.aux_cap_reason(types.SimpleNamespace(full_attention_group_id=gid), model)
 
-
-def test_a_lookup_capped_past_the_pools_run_is_left_to_vllms_code():
-    """On ``qwen3next_pmu160`` with auxiliary outputs (full attention read at hash granularity) the spec's cap
-    is the pool's run of full-attention blocks (``refimpl.lookup_cap``); vLLM's also counts the blocks the
-    auxiliary-output store holds, which can outlive the pool's. A lookup capped at the pool's run is the
-    reference's (no fallback); one capped past it, as when the store holds evicted blocks, is answered by
-    vLLM's code and counted, since the spec's hit could then be below stock's."""
-    assert kvhit_vllm.install("enforce")
-    n = 11910
-    harness = _catalogue_harness("qwen3next_pmu160", "drop")()
-    coordinator = harness.manager.coordinator
-    model = dataclasses.replace(engine.model_coordinator(coordinator, engine._models[coordinator].release, 0),
-                                capped=True)
-    assert model.sizes.cap_group == 0 and "aux0" in model.label
-    engine._models[coordinator] = model
-    tokens = [random.Random(n).randrange(1, 50000) for _ in range(n)]
-    harness.serve(tokens)
-    hashes = harness._new_request(tokens).block_hashes
-    covered = len(hashes) * model.sizes.hash_block
-    kept = R.lookup_cap(engine.pool_cache(coordinator, hashes, model), model.sizes, covered)
-    harness.evict(4)
-    pool = R.lookup_cap(engine.pool_cache(coordinator, hashes, model), model.sizes, covered)
-    assert 0 < pool < kept < n - 1, (pool, kept)
-    want = R.hit_tokens(engine.pool_cache(coordinator, hashes, model), model.sizes, n, R.REFERENCE)[0]
-    before = _fallbacks()
-    _, hit, _ = coordinator.find_longest_cache_hit(hashes, pool)
-    assert hit == want and _fallbacks() == before, (hit, want)
-    _, hit, _ = coordinator.find_longest_cache_hit(hashes, kept)
-    assert _fallbacks() == before + 1 and hit == v0_33.ORIGINAL.hybrid_find(coordinator, hashes, kept)[1]
+    assert reason(refimpl_layout("qwen3next"), "drop", 0) is None
+    assert reason(refimpl_layout("llama_eagle"), "drop", 0) is None
+    fine = reason(refimpl_layout("qwen3next_pmu160"), "drop", 0)
+    assert fine is not None and "hash granularity" in fine and "never below" in fine, fine
+    mamba = reason(to_refimpl(_mamba16()), "none", None)
+    assert mamba is not None and "mamba" in mamba and "KV-cache group 0" in mamba, mamba
