@@ -133,7 +133,7 @@ def configure(layout, dcp=None, prefix_match_unit=None, block_size=None, operato
     elif prefix_match_unit is not None:
         pmu = prefix_match_unit
     try:
-        return Layout(groups, layout.dcp if dcp is None else dcp, pmu, layout.name)
+        return Layout(groups, layout.dcp if dcp is None else dcp, pmu, layout.name, layout.aux_cap_group)
     except ValueError as e:
         raise LayoutError(str(e)) from None
 

@@ -80,7 +80,9 @@ def render(report, layout):
     lines = []
     add = lines.append
     add(f"layout {layout.name or '(file)'}: " + " + ".join(describe_group(g) for g in layout.groups)
-        + f"; DCP {layout.dcp}; prefix_match_unit {layout.prefix_match_unit or 'none (GCD rule)'}")
+        + f"; DCP {layout.dcp}; prefix_match_unit {layout.prefix_match_unit or 'none (GCD rule)'}"
+        + (f"; every lookup capped at KV-cache group {layout.aux_cap_group}'s leading whole blocks (auxiliary "
+           "outputs)" if layout.aux_cap_group is not None else ""))
     sp = spec["mode"]
     if sp != "none":
         sp += (f", num_speculative_tokens {spec['num_speculative_tokens']}"
@@ -135,6 +137,8 @@ def render(report, layout):
             add(f"  -> {t['hit']}: {t['why']}")
             continue
         add(f"  M = N - 1 = {t['max_length']}")
+        if t.get("aux_cap") is not None:
+            add(f"  the auxiliary outputs cap it at {t['aux_cap']} (the capped group's leading whole blocks)")
         for p in t["passes"]:
             add(f"  pass {p['index']} from {p['start']}:")
             for s in p["steps"]:

@@ -170,7 +170,15 @@ def hybrid_trace(cache, sizes, n_tokens, rules):
         out.append({"index": index + 1, "start": start, "first": args[6], "steps": steps, "end": end,
                     "stop": stop})
     return {"coordinator": "hybrid", "max_length": refimpl.max_length_within_hashes(sizes, n_tokens, rules),
-            "passes": out, "hit": hit, "reach": reach, "longest": longest}
+            "aux_cap": _aux_cap(cache, sizes, n_tokens), "passes": out, "hit": hit, "reach": reach,
+            "longest": longest}
+
+
+def _aux_cap(cache, sizes, n_tokens):
+    """The auxiliary outputs' cap on the lookup (``refimpl.lookup_cap``), or None on a layout without one."""
+    if sizes.cap_group is None:
+        return None
+    return refimpl.lookup_cap(cache, sizes, refimpl.hash_reach(sizes, n_tokens))
 
 
 def unitary_trace(cache, sizes, n_tokens, rules):
@@ -178,7 +186,7 @@ def unitary_trace(cache, sizes, n_tokens, rules):
     calls = []
     with _tapped("lookup", lambda a, o: calls.append((a, o))) as original_lookup:
         hit, reach, longest, _ = _policy.unitary_hit_tokens(cache, sizes, n_tokens, rules)
-    m = refimpl.max_length_within_hashes(sizes, n_tokens, rules)
+    m = refimpl.capped_length(cache, sizes, n_tokens, rules)
     hashes = refimpl.num_hashes(sizes, n_tokens)
     step = _lookup_step(0, sizes.groups[0], sizes, rules, cache, hashes, m, calls[-1], hit, original_lookup)
     step["verified_after"] = [step["drop"]]
@@ -186,7 +194,8 @@ def unitary_trace(cache, sizes, n_tokens, rules):
                                                                                 rules.cap_at_hashes)) if not on]
     step["why"] += ("; one KV-cache group: " + " and ".join(missing)
                     if sizes.groups[0].drops and missing else "; one KV-cache group")
-    return {"coordinator": "unitary", "max_length": m,
+    return {"coordinator": "unitary", "max_length": refimpl.max_length_within_hashes(sizes, n_tokens, rules),
+            "aux_cap": _aux_cap(cache, sizes, n_tokens),
             "passes": [{"index": 1, "start": m, "first": True, "steps": [step], "end": hit,
                         "stop": "one lookup"}],
             "hit": hit, "reach": reach, "longest": longest}
@@ -222,6 +231,8 @@ def reference_trace(cache, sizes, n_tokens, rules):
     assert again == hit, "reference_pass disagrees with reference_hit_tokens"
     limits = [("cap", cap)] + [(f"group {k} (full attention) cached prefix", extents[k])
                                for k, sg in enumerate(sizes.groups) if sg.kind is Kind.FULL]
+    if sizes.cap_group is not None:
+        limits.append(("the auxiliary outputs' cap", refimpl.lookup_cap(cache, sizes, reach)))
     top_name, top = min(limits, key=lambda t: t[1])
     a = sizes.alignment
 

@@ -179,6 +179,10 @@ def test_json_schema_rejects_a_report_missing_its_hit():
     ('{"groups": [{"kind": "full", "block_size": "16"}]}', "group 0: block_size must be an integer"),
     ('[]', "a layout file holds a JSON object"),
     ('{"groups": []}', "a layout needs at least one KV-cache group"),
+    ('{"aux_cap_group": 1, "groups": [{"kind": "full", "block_size": 16}, {"kind": "mamba", "block_size": 16}]}',
+     "aux_cap_group 1: a cap by the leading blocks of a mamba group is not modelled"),
+    ('{"aux_cap_group": 2, "groups": [{"kind": "full", "block_size": 16}]}',
+     "aux_cap_group 2 is not a KV-cache group of this layout"),
 ])
 def test_malformed_layout_file_is_refused_with_the_problem_named(tmp_path, capsys, text, message):
     path = tmp_path / "bad.json"
@@ -198,6 +202,35 @@ def test_layout_file_round_trips_and_explains_like_the_catalogue(tmp_path, capsy
     assert main(["explain", str(path), "46240", "--speculative", "drop", "--policy", "historical", "--cache", "dense",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["policies"][0]["hit"] == 16384
+
+
+def test_a_layout_capped_by_auxiliary_outputs_is_explained_with_its_cap(tmp_path, capsys):
+    """``aux_cap_group`` survives the file format and the settings, and the explanation names the cap where it
+    binds: full attention 1600 (MTP) + Mamba 1600 at hash unit 160, drop, N = 11910 on what its first request
+    left; the reference's scan starts at the cap (the full-attention group's 7 whole blocks) and
+    ``vllm_0_33``'s coordinator too, and the hits are refimpl's on that layout."""
+    from kvhit.layouts import to_json
+
+    data = {"name": "moe_mtp_aux", "prefix_match_unit": 160, "aux_cap_group": 0,
+            "groups": [{"kind": "full", "block_size": 1600, "eagle": True}, {"kind": "mamba", "block_size": 1600}]}
+    path = tmp_path / "aux.json"
+    path.write_text(json.dumps(data))
+    layout, _ = load(str(path))
+    assert layout.aux_cap_group == 0 and to_json(layout)["aux_cap_group"] == 0
+    args = [str(path), "11910", "--speculative", "drop", "--num-speculative-tokens", "1", "--compare"]
+    assert main(["explain", *args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    jsonschema.validate(report, SCHEMA)
+    hits = {t["policy"]: t for t in report["policies"]}
+    sizes = refimpl.derive_sizes(layout, speculation("drop", 1, False))
+    for policy in ("reference", "vllm_0_33"):
+        assert hits[policy]["hit"] == refimpl.repeat_hits(sizes, 11910, 0, refimpl.policy_rules(policy), 1)[0]
+    assert hits["reference"]["top_is"] == "the auxiliary outputs' cap" and hits["reference"]["top"] == 11200
+    assert hits["vllm_0_33"]["aux_cap"] == 11200
+    assert main(["explain", *args]) == 0
+    text = capsys.readouterr().out
+    assert "every lookup capped at KV-cache group 0's leading whole blocks" in text
+    assert "the auxiliary outputs cap it at 11200" in text
 
 
 @pytest.mark.parametrize("args, message", [
