@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 33e0b5e43b0f196dbc0bd056cc0495f2e447c81b1c5938cb9788c207a9c13ead
-output-sha256: aec86cee1eea14278d1cef627ba72f38c659637af1b9a8cff43459722430554a
+spec-sha256: c25a74b4af74f19d052be3098bee24e95710f7cd7004636221f34c8a21274db4
+output-sha256: 96a1e160105b3c73783260d6327de2935d5207edb478ddbd9ae7bf091fe7acb3
 """
 
 import itertools
@@ -905,8 +905,9 @@ def lookup_cap(cache, sizes: Sizes, covered):
     ``covered`` tokens the hashes cover, in tokens: vLLM 0.33's auxiliary outputs cap every lookup at
     ``min(k * b, N - 1)`` (``AuxOutputSchedulerConnector.max_cache_hit``), ``k`` the group's leading blocks
     that the pool or the connector's store holds. The store keeps the blocks the pool held when each request
-    finished; the spec's cache is the pool, and ``k`` its run (where the store holds more, the adapter
-    leaves the lookup to vLLM's code)."""
+    finished; the spec's cache is the pool, and ``k`` its run. Where the store holds more, a group read at its
+    block serves no more than its run anyway; the adapter enforces no layout whose capped group is read at
+    hash granularity (``engine.aux_cap_reason``)."""
     sg = sizes.groups[sizes.cap_group]
     return cache.run_from(sizes.cap_group, start=0, unit=sg.block, limit=covered // sg.block) * sg.block
 

@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 33e0b5e43b0f196dbc0bd056cc0495f2e447c81b1c5938cb9788c207a9c13ead
+spec-sha256: c25a74b4af74f19d052be3098bee24e95710f7cd7004636221f34c8a21274db4
 output-sha256: c1e9050dea8d620072e7fb508362fd988139a8e2689b1eaee7c5c0dcdd37204e
 """
 

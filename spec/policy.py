@@ -379,8 +379,9 @@ def lookup_cap(cache, sizes: Sizes, covered):
     ``covered`` tokens the hashes cover, in tokens: vLLM 0.33's auxiliary outputs cap every lookup at
     ``min(k * b, N - 1)`` (``AuxOutputSchedulerConnector.max_cache_hit``), ``k`` the group's leading blocks
     that the pool or the connector's store holds. The store keeps the blocks the pool held when each request
-    finished; the spec's cache is the pool, and ``k`` its run (where the store holds more, the adapter
-    leaves the lookup to vLLM's code)."""
+    finished; the spec's cache is the pool, and ``k`` its run. Where the store holds more, a group read at its
+    block serves no more than its run anyway; the adapter enforces no layout whose capped group is read at
+    hash granularity (``engine.aux_cap_reason``)."""
     sg = sizes.groups[sizes.cap_group]
     return cache.run_from(sizes.cap_group, start=0, unit=sg.block, limit=covered // sg.block) * sg.block
 
