@@ -18,6 +18,10 @@ from kvhit.refimpl import Group, Layout, Speculation, derive_sizes, hit
      "DCP 2 with a sharded swa group"),
     (lambda: Speculation("drop", 0), "num_speculative_tokens must be positive"),
     (lambda: Speculation("eagle", 1), "is not a valid Mode"),
+    (lambda: Layout((Group("full", 16), Group("mamba", 16)), aux_cap_group=1),
+     "aux_cap_group 1: a cap by the leading blocks of a mamba group is not modelled"),
+    (lambda: Layout((Group("full", 16),), aux_cap_group=1), "aux_cap_group 1 is not a KV-cache group"),
+    (lambda: Layout((Group("full", 16),), aux_cap_group=True), "aux_cap_group True is not a KV-cache group"),
 ])
 def test_bad_layouts_are_refused_with_a_named_problem(make, message):
     with pytest.raises(ValueError, match=message):
@@ -78,3 +82,21 @@ def test_non_positive_prompts_and_unknown_policies_are_refused():
         hit(layout, Speculation(), 0, [0])
     with pytest.raises(ValueError, match="unknown policy 'vllm'"):
         hit(layout, Speculation(), 10, [10], policy="vllm")
+
+
+def test_the_auxiliary_outputs_cap_bounds_every_policys_hit_at_the_capped_groups_whole_blocks():
+    """``aux_cap_group`` names a KV-cache group; the cap is its spec group's (full attention sorts first)
+    leading whole blocks. Full 1600 (MTP) + Mamba 1600 at hash unit 160, every state of an 11910-token
+    prompt cached, which holds 7 whole blocks (74 hashes): uncapped the reference hits 11840 without
+    speculation and 11680 in drop mode (its drop unit within the hashes); capped, 11200 both (the dropping
+    group's unit past the cap is cached), and vLLM 0.33's loop starts there too."""
+    groups = (Group("mamba", 1600), Group("full", 1600, eagle=True))
+    capped = Layout(groups, prefix_match_unit=160, aux_cap_group=1)
+    uncapped = Layout(groups, prefix_match_unit=160)
+    assert derive_sizes(capped, Speculation()).cap_group == 0
+    assert derive_sizes(uncapped, Speculation()).cap_group is None
+    n, every = 11910, [11910, 11910]
+    drop = Speculation("drop", 1)
+    assert [hit(uncapped, s, n, every) for s in (Speculation(), drop)] == [11840, 11680]
+    assert [hit(capped, s, n, every) for s in (Speculation(), drop)] == [11200, 11200]
+    assert [hit(capped, s, n, every, policy="vllm_0_33") for s in (Speculation(), drop)] == [11200, 11200]
