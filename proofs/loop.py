@@ -301,7 +301,7 @@ def check_by_contract(invariant, rules, config, summary: bool = False, loop_lemm
     measured not to decide the claim, the exact lowering decides alone."""
     from .model import check
 
-    if not invariant.by_contract(config):
+    if not invariant.by_contract(config, rules):
         return check(invariant, rules, config, summary=summary, loop_lemmas=loop_lemmas)
     verdict, seconds, cex, spent = check(invariant, rules, config, summary=summary, contract=True,
                                          loop_lemmas=loop_lemmas)

@@ -99,9 +99,9 @@ class Invariant:
             (:func:`kvhit.proofs.runner.compose`).
         default_only: a lemma of such a composition: ``--extended``, which checks the composed claims
             whole, leaves it out.
-        by_contract: configurations whose checks try the scans' contracts first
+        by_contract: ``(configuration, policy rules)`` whose checks try the scans' contracts first
             (:func:`kvhit.proofs.loop.check_by_contract`); off where they were measured not to decide the
-            claim, which saves the wasted try.
+            claim, or to cost more than the exact check alone, which saves the try.
         lemmas: ``(invariant, policy)`` rows from whose verdicts a configuration the run does not check the
             claim on for the reference gets the reference's verdict (PROVED when every one is PROVED there,
             a read-side lemma on the configuration's read-side twin): only where the first lemma was checked
@@ -121,7 +121,7 @@ class Invariant:
     extended_policies: tuple = ()
     by_lemma: tuple = ()
     default_only: bool = False
-    by_contract: Callable[[Config], bool] = lambda config: True
+    by_contract: Callable[[Config, Rules], bool] = lambda config, rules: True
     lemmas: tuple = ()
 
     @property
