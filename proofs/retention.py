@@ -269,7 +269,7 @@ def _contract_for_the_declarative_read_side(config, rules):
 
 
 # The stream claims of vllm_0_33_repaired, composed in the default run from the reference's verdicts and this
-# lemma (about 1 s and 6 M units a configuration); --extended checks them whole.
+# lemma (about 0.15 s and 5 M units a configuration); --extended checks them whole.
 AS_THE_REFERENCE = (("vllm_0_33_repaired", "the_policy_serves_and_writes_as_the_reference"),)
 
 # The dominance claim of the reference, composed where it is not checked whole (README, "Dominance, composed"):
