@@ -295,6 +295,10 @@ CONNECTORS = {
     "connector-module-eagle-drop": ("ExampleConnector", "vllm.distributed.kv_transfer.kv_connector.v1."
                                     "example_connector", False, "eagle-drop"),
     "connector-cpu-swa-sibling": ("SimpleCPUOffloadConnector", None, False, "swa-sibling"),
+    # the one connector whose worker runs on these machines beside a sliding-window or Mamba group
+    # (docs/adapter.md, "KV connectors"): every request starts at N - 1 whatever its local hit
+    "connector-bench-swa-sibling": ("DecodeBenchConnector", None, False, "swa-sibling"),
+    "connector-bench-shared-mamba-r0": ("DecodeBenchConnector", None, False, "shared-mamba-r0"),
 }
 SCENARIOS.update({name: SCENARIOS[base] for name, (*_, base) in CONNECTORS.items()})
 # Auxiliary outputs (routed experts; vLLM 0.33 accepts them for MoE models on model runner V2, which the CPU

@@ -13,8 +13,9 @@ three times on a Llama + EAGLE draft in drop mode (full attention, block 16: F2,
 is 992 and the reference's 1008), with vLLM's ExampleConnector (an empty folder, and one holding the prompt),
 DecodeBenchConnector and SimpleCPUOffloadConnector, and ExampleConnector loaded by module path (a class kvhit
 has not checked); and a block-aligned prompt and its longer sibling on full attention + a sliding window
-(W2: stock's sibling hits 1008, the reference's 1024) without and with SimpleCPUOffloadConnector. No worker
-runs: a connector loads what its scheduler side says it holds.
+(W2: stock's sibling hits 1008, the reference's 1024) without and with SimpleCPUOffloadConnector or
+DecodeBenchConnector, and DecodeBenchConnector beside Mamba (the shared-system-prompt stream at R = 0). No
+worker runs: a connector loads what its scheduler side says it holds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ DROP = R.Speculation("drop", 1)
 ENFORCED = ["connector-example-eagle-drop", "connector-example-loads-eagle-drop", "connector-bench-eagle-drop",
             "connector-cpu-eagle-drop"]
 # scenario -> what the unmodelled reason names
-STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding window group"}
+STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding window group",
+         "connector-bench-swa-sibling": "a sliding window group", "connector-bench-shared-mamba-r0": "a Mamba group"}
 # (off patches nothing, with a connector or without: tests/adapter/test_scheduler_plugin.py checks it)
 MODES = ("stock", "shadow", "enforce")
 
@@ -120,6 +122,19 @@ def test_without_the_connector_enforce_changes_the_sliding_window_layouts_hit(ru
     assert child_runs.served_hits(runs["enforce"], "connector-cpu-swa-sibling") == stock
 
 
+@pytest.mark.parametrize("scenario", ["connector-bench-swa-sibling", "connector-bench-shared-mamba-r0"])
+def test_decode_bench_beside_a_sliding_window_or_mamba_group_starts_every_request_at_n_minus_1(runs, scenario):
+    """DecodeBenchConnector, the one connector whose worker runs on these machines beside such a group: it
+    fills all but the last token of every request on its first scheduling, so every request starts at
+    ``N - 1`` in every mode, and the pool serves no local hit (only the window and the state at ``N - 1``
+    exist: no block-aligned hit finds the window blocks or the Mamba state it needs). There is no hit for
+    a policy to decide; the layout is left to vLLM like any connector beside such a group."""
+    for mode in MODES:
+        for served in _served(runs, mode, scenario):
+            assert (served["num_local_cached_tokens"], served["num_cached_tokens"]) == (0, served["prompt_len"] - 1), \
+                (mode, served)
+
+
 @pytest.mark.parametrize("scenario", [*CONNECTORS, "swa-sibling"])
 def test_shadow_schedules_exactly_as_stock(runs, scenario):
     stock = child_runs.scheduled(runs["stock"], scenario)
@@ -151,3 +166,21 @@ def test_simple_cpu_offload_never_starts_a_request_earlier_when_the_local_hit_gr
         assert all(a <= b for a, b in zip(starts, starts[1:])), probe
         assert any(start > local for start, local in zip(starts, locals_)), probe
         assert not all(probe["held"]), probe
+
+
+def test_simple_cpu_offload_cannot_run_its_worker_on_these_machines():
+    """Why SimpleCPUOffloadConnector beside a sliding-window or Mamba group is not served here
+    (docs/adapter.md, "KV connectors"): vLLM 0.33's worker side asks CUDA for stream priorities when it
+    registers the KV caches, which the CPU build of torch lacks. (With prefix caching off it builds no
+    worker and no lookup happens.) If a vLLM makes it run on the CPU, this fails and the docs must change."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+    from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
+    num_blocks, page = 8, 256
+    tensor = KVCacheTensor(size=num_blocks * page, layers=["layer0"], layer_stride=num_blocks * page,
+                           block_stride=page)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[])
+    worker = SimpleCPUOffloadWorker(None, config, cpu_capacity_bytes=1 << 20)
+    with pytest.raises(AttributeError, match="priority_range"):
+        worker.register_kv_caches({"layer0": torch.zeros(num_blocks, page, dtype=torch.int8)})
