@@ -6,6 +6,7 @@ from kvhit.proofs import runner
 from kvhit.proofs.domains import HEAVY, configs, layouts, reference_only
 from kvhit.proofs.model import Config
 from kvhit.spec.domain import Kind, Mode, Speculation
+from kvhit.spec.policy import KNOWN_BAD
 from kvhit.spec.sizes import derive_sizes
 
 
@@ -74,3 +75,19 @@ def test_the_heavy_layouts_are_in_the_default_run_for_the_reference_only():
     assert {policy for _, policy in on_heavy} == {"reference"}
     read_side = {inv.name for inv in runner.INVARIANTS if not inv.write_side}
     assert {name for name, _ in on_heavy} == read_side
+
+
+def test_each_write_side_known_bad_variant_runs_once_by_default():
+    """Non-vacuity needs one refutation: each write-side known-bad variant of an invariant runs on one
+    configuration of the default run, the report's layout in drop mode at R = 0, with two MTP modules only
+    for retain_prompt_end (PROVED with one). `make prove` fails unless each such row is REFUTED."""
+    cfgs = runner._configs()
+    write = {inv.name for inv in runner.INVARIANTS if inv.write_side}
+    bad = {}
+    for name, policy, index, scenario in runner.tasks():
+        if name in write and policy in KNOWN_BAD and scenario is None:
+            bad.setdefault((name, policy), []).append(cfgs[index].label)
+    assert {key[0] for key in bad} == write
+    for (name, policy), labels in bad.items():
+        expected = "qwen3next drop Lp=2 mtp2 R=0" if policy == "retain_prompt_end" else "qwen3next drop Lp=1 R=0"
+        assert labels == [expected], (name, policy, labels)
