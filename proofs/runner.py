@@ -35,9 +35,8 @@ _CONFIGS = None
 EXTENDED = False
 
 
-# Known-bad write-side variants whose defect shows on the report's layout only with two MTP modules (measured:
-# retain_prompt_end is REFUTED there and PROVED with one module, where the prompt's end and the resume point
-# keep the same state).
+# Known-bad write-side variants whose defect shows on the report's layout only with two MTP modules (measured
+# on 2026-12-07: retain_prompt_end is REFUTED with two and PROVED with one).
 _WITNESS_NEEDS_MTP2 = frozenset({"retain_prompt_end"})
 
 

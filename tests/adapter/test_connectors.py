@@ -126,9 +126,9 @@ def test_without_the_connector_enforce_changes_the_sliding_window_layouts_hit(ru
 def test_decode_bench_beside_a_sliding_window_or_mamba_group_starts_every_request_at_n_minus_1(runs, scenario):
     """DecodeBenchConnector, the one connector whose worker runs on these machines beside such a group: it
     fills all but the last token of every request on its first scheduling, so every request starts at
-    ``N - 1`` in every mode, and the pool serves no local hit (only the window and the state at ``N - 1``
-    exist: no block-aligned hit finds the window blocks or the Mamba state it needs). There is no hit for
-    a policy to decide; the layout is left to vLLM like any connector beside such a group."""
+    ``N - 1`` in every mode, and the pool serves no local hit (the sliding-window group keeps only whole
+    blocks of the window at ``N - 1``, the Mamba groups no state at a block end). There is no hit for a
+    policy to decide; the layout is left to vLLM like any connector beside such a group."""
     for mode in MODES:
         for served in _served(runs, mode, scenario):
             assert (served["num_local_cached_tokens"], served["num_cached_tokens"]) == (0, served["prompt_len"] - 1), \
