@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: c25a74b4af74f19d052be3098bee24e95710f7cd7004636221f34c8a21274db4
-output-sha256: 96a1e160105b3c73783260d6327de2935d5207edb478ddbd9ae7bf091fe7acb3
+spec-sha256: 856869e4ebe3ac454a782759bf76c0de74e7ac85a85c8e42632418894009d46e
+output-sha256: 9c3532cb0ac0edaa1db518a3db140096186244718e892e8c91cfaced7ea1998d
 """
 
 import itertools
@@ -1555,6 +1555,29 @@ def mamba_at_hash_granularity(sizes: Sizes) -> bool:
     """Whether a Mamba group is read at hash granularity (its hits may end inside a block): its states inside a
     block are partial tails, of which vLLM, and so the reference (:func:`mamba_held`), keeps one per request."""
     return any((sg.kind is Kind.MAMBA and sg.fine for sg in sizes.groups))
+ONLY_MAMBA_DROPS = 'EAGLE drop mode in which only Mamba groups drop'
+FINE_MAMBA_MTP_DROP = 'a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP'
+
+def write_side_unmodelled(sizes: Sizes) -> str:
+    """Why the reference's write side is not modelled on this layout and speculative setting, or ``""``
+    where it is. Such a layout is left wholly to vLLM by the adapter, and the default proof domain leaves its
+    write side out (``kvhit prove --extended`` still checks it, and refutes it):
+
+    - :data:`FINE_MAMBA_MTP_DROP`: a Mamba group read at hash granularity that drops itself (vLLM flags every
+      group when its planner flags none), with multi-module MTP (``Lp >= 2``) in drop mode. Its caching calls
+      end ``Lp - 1`` tokens before the chunk, so no partial tail is kept at the resend's resume point:
+      ``scheduler_and_mask_boundaries_agree`` fails (``qwen3next_pmu160`` with no group flagged EAGLE, dense,
+      ``N = 478``: the first repeat hits 0, a cache holding every state 160; ``three_kind``, dense,
+      ``N = 4800``: 1600 for a longer sibling where every state retained gives 3040).
+    - :data:`ONLY_MAMBA_DROPS`: drop mode in which every dropping group is a Mamba group. The reference's
+      Mamba lookups never drop, and ``reference_never_below_vllm`` is refuted there (``mamba16``, ``R = 0``).
+    """
+    if sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes) and any((sg.kind is Kind.MAMBA and sg.drops for sg in sizes.groups)):
+        return f"{FINE_MAMBA_MTP_DROP}: its caching calls end Lp - 1 tokens before the chunk, so no partial tail is kept at the resend's resume point (scheduler_and_mask_boundaries_agree fails on concrete prompts, e.g. qwen3next_pmu160 with no group flagged EAGLE, dense retention, N = 478: the first repeat hits 0, a cache holding every state 160)"
+    dropping = [sg.kind for sg in sizes.groups if sg.drops]
+    if dropping and all((kind is Kind.MAMBA for kind in dropping)):
+        return f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is not proved never below vLLM's there (kvhit prove --extended refutes reference_never_below_vllm on one Mamba group in drop mode)"
+    return ''
 
 def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
     """Under ``Replay.RESUME``, the step of the periodic states of a Mamba group of ``block`` tokens: the

@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: c25a74b4af74f19d052be3098bee24e95710f7cd7004636221f34c8a21274db4
+spec-sha256: 856869e4ebe3ac454a782759bf76c0de74e7ac85a85c8e42632418894009d46e
 output-sha256: c1e9050dea8d620072e7fb508362fd988139a8e2689b1eaee7c5c0dcdd37204e
 """
 

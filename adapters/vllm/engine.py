@@ -80,6 +80,8 @@ from vllm.v1.kv_cache_interface import (
 
 import kvhit
 from kvhit.refimpl import (
+    FINE_MAMBA_MTP_DROP,
+    ONLY_MAMBA_DROPS,
     REFERENCE,
     CacheState,
     Group,
@@ -93,12 +95,12 @@ from kvhit.refimpl import (
     group_extent,
     group_extents,
     hit_tokens,
-    mamba_at_hash_granularity,
     num_hashes,
     reference_pass,
     replay_boundaries,
     resume_period,
     resume_tail,
+    write_side_unmodelled,
 )
 
 from kvhit.refimpl.staging import SpecError, stage_hit_tokens
@@ -274,13 +276,6 @@ class WriteModel:
         return best
 
 
-# Why a layout in drop mode whose every dropping group is a Mamba group is left to vLLM (:func:`_write_side`).
-ONLY_MAMBA_DROPS = "EAGLE drop mode in which only Mamba groups drop"
-# Why a layout with a Mamba group read at hash granularity that drops (vLLM flags every group when it flags
-# none), in EAGLE drop mode with a multi-module MTP drafter, is left to vLLM (:func:`_write_side`).
-FINE_MAMBA_MTP_DROP = "a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP"
-
-
 def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
                 label: str) -> tuple[WriteModel | None, str]:
     """The reference write side for a coordinator whose read side the spec models, or ``(None, why the
@@ -295,18 +290,9 @@ def _write_side(coordinator: KVCacheCoordinator, sizes: Sizes,
         check_retention(sizes, retention)
     except ValueError as e:
         return None, f"the spec's write side rejects it: {e}"
-    if (sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes)
-            and any(sg.kind is Kind.MAMBA and sg.drops for sg in sizes.groups)):
-        return None, (f"{FINE_MAMBA_MTP_DROP}: its caching calls end Lp - 1 tokens "
-                      "before the chunk, so no partial tail is kept at the resend's resume point "
-                      "(scheduler_and_mask_boundaries_agree fails on concrete prompts, e.g. qwen3next_pmu160 "
-                      "with no group flagged EAGLE, dense retention, N = 478: the first repeat hits 0, a "
-                      "cache holding every state 160)")
-    dropping = [sg.kind for sg in sizes.groups if sg.drops]
-    if dropping and all(kind is Kind.MAMBA for kind in dropping):
-        return None, (f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is "
-                      "not proved never below vLLM's there (kvhit prove --extended refutes "
-                      "reference_never_below_vllm on one Mamba group in drop mode)")
+    why = write_side_unmodelled(sizes)
+    if why:
+        return None, why
     pool = coordinator.block_pool
     if _sparse_managers(coordinator) and (type(pool) is not BlockPool
                                           or type(pool.free_block_queue) is not FreeKVCacheBlockQueue):

@@ -7,6 +7,7 @@ from kvhit.proofs.domains import HEAVY, configs, layouts, reference_only
 from kvhit.proofs.model import Config
 from kvhit.spec.domain import Kind, Mode, Speculation
 from kvhit.spec.policy import KNOWN_BAD
+from kvhit.spec.retention import write_side_unmodelled
 from kvhit.spec.sizes import derive_sizes
 
 
@@ -56,14 +57,23 @@ def test_drop_with_two_mtp_modules_reads_as_drop_on_every_layout():
 
 
 def test_the_heavy_layouts_are_in_the_default_run_for_the_reference_only():
-    """HEAVY layouts' read side is checked by default for the reference in every speculative setting; vLLM's
-    policies, the releases and the known-bad variants there are --extended's."""
+    """HEAVY layouts' read side is checked by default for the reference in every speculative setting, and the
+    write side of DeepSeek-V4's two layouts and three_kind for the reference's first-repeat claim and
+    sparseness, at every interval, where the adapter enforces the write side; vLLM's policies, the releases,
+    the known-bad variants and the costlier write-side claims there are --extended's."""
     default = configs(extended=False)
     heavy = [c for c in default if c.layout.name in HEAVY]
     assert {c.layout.name for c in heavy} == set(HEAVY)
-    assert not any(c.write_side for c in heavy)
+    written = [c for c in heavy if c.write_side]
+    assert {c.layout.name for c in written} == {"dsv4_cuda", "dsv4_report", "three_kind"}
+    assert {c.retention for c in written if c.layout.name == "dsv4_report"} == {None, 0, 32768}
+    # three_kind with two MTP modules in drop mode is left to vLLM (its Mamba group, read at hash granularity,
+    # drops), and only there
+    assert {c.speculation.describe() for c in written if c.layout.name == "three_kind"} == {
+        "none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "drop Lp=1"}
+    assert all(not write_side_unmodelled(derive_sizes(c.layout, c.speculation)) for c in written)
     assert all(reference_only(c, extended=False) and not reference_only(c, extended=True) for c in heavy)
-    assert {c.speculation.describe() for c in heavy if c.layout.name == "dsv4_cuda"} == {
+    assert {c.speculation.describe() for c in heavy if c.layout.name == "dsv4_cuda" and not c.write_side} == {
         "none", "lookahead Lp=1", "lookahead Lp=2 mtp2", "lookahead Lp=4 mtp4", "drop Lp=1"}
     old = runner.EXTENDED, runner._CONFIGS
     try:
@@ -74,7 +84,8 @@ def test_the_heavy_layouts_are_in_the_default_run_for_the_reference_only():
         runner.EXTENDED, runner._CONFIGS = old
     assert {policy for _, policy in on_heavy} == {"reference"}
     read_side = {inv.name for inv in runner.INVARIANTS if not inv.write_side}
-    assert {name for name, _ in on_heavy} == read_side
+    assert {name for name, _ in on_heavy} == read_side | {"scheduler_and_mask_boundaries_agree",
+                                                           "retention_is_sparse"}
 
 
 def test_each_write_side_known_bad_variant_runs_once_by_default():
