@@ -114,9 +114,20 @@ def retention_intervals(sizes):
 # layouts beyond gemma and the EAGLE sliding window are --extended's.
 CORE_WRITE = {"qwen3next": (None, 0, 2), "qwen35": (None, 0, 2), "gemma": (None, 0, 2),
               "full64_swa64w200_eagle": (None, 0, 2), "chunked64": (0,), "llama4": (0,),
-              # HEAVY: the reference only (reference_only), and of its claims only those cheap there
-              # (retention.HEAVY_WRITE_CLAIMS)
+              # one-group layouts: every claim, each in seconds (2026-12-07; mamba16's drop mode is left to
+              # vLLM: spec.retention.write_side_unmodelled)
+              "swa16w64": (None, 0, 2), "mamba16": (None, 0, 2),
+              # without the three-request claims (STREAM_CLAIMS_EXTENDED)
+              "full32_swa16w64": (None, 0, 2), "full32_swa16w100": (None, 0, 2),
+              # HEAVY: the reference only (reference_only), its first repeat's claim and sparseness
               "dsv4_cuda": (None, 0, 2), "dsv4_report": (None, 0, 2), "three_kind": (None, 0, 2)}
+
+# Layouts whose write side the default run checks without the claims over three requests (the dominance lemma,
+# and so the composed reference_never_below_vllm; the junction claim), which `--extended` checks: on HEAVY
+# they were not decided within minutes a configuration, and on the two sliding-window layouts beyond gemma and
+# the EAGLE window the dominance lemma alone would add about 66 s of checks each (2026-12-07), where the
+# first-repeat claim and sparseness of both take 5.6 s (proofs/retention.py::_heavy_layout has the figures).
+STREAM_CLAIMS_EXTENDED = HEAVY + ("full32_swa16w64", "full32_swa16w100")
 
 
 def write_configs(extended: bool = False):

@@ -5,6 +5,7 @@ is the longest valid on the configuration's read-side twin. Compared here with t
 that finishes in seconds, shown to decline for the known-bad variant, and its bookkeeping."""
 
 from kvhit.proofs import runner
+from kvhit.proofs.domains import STREAM_CLAIMS_EXTENDED
 
 from .default_checks import CFGS, checks, index as _index
 
@@ -82,20 +83,26 @@ def test_a_composed_proof_beside_a_whole_refutation_is_an_error():
     assert row.verdict == "ERROR" and "checked whole REFUTED" in row.counterexample["error"]
 
 
-def test_the_default_run_composes_the_claim_but_on_chunked_local_attention_and_checks_the_known_bad_variant_whole():
+def test_the_default_run_composes_the_claim_but_where_f1_breaks_it_and_checks_the_known_bad_variant_whole():
     """Whole for the known-bad variant (non-vacuity: one refutation, on the report's layout in drop mode with
-    one MTP module, ``runner._write_witness``), and for the reference on chunked local attention only, where
-    vllm_0_33's hit past the hashes (F1) fails the composition's lemmas."""
+    one MTP module, ``runner._write_witness``), and for the reference only where vllm_0_33's hit past the
+    hashes (F1) can fail the composition's lemmas: chunked local attention, and the layouts without full
+    attention under lookahead hashes. The lemma runs on every write-side configuration but the layouts whose
+    three-request claims are --extended's."""
     whole = [t for t in runner.tasks() if t[0] == CLAIM and t[3] is None]
     bad = [t for t in whole if t[1] == "without_junction"]
     assert [CFGS[t[2]].label for t in bad] == ["qwen3next drop Lp=1 R=0"]
     reference = [t for t in whole if t[1] == "reference"]
-    assert sorted(CFGS[t[2]].label for t in reference) == [
+    lookahead = [f"{layout} lookahead {s} R={r}" for layout, every in (("swa16w64", 32), ("mamba16", 32))
+                 for s in ("Lp=1", "Lp=2 mtp2") for r in (None, 0, every)]
+    assert sorted(CFGS[t[2]].label for t in reference) == sorted([
         "chunked64 lookahead Lp=1 R=0", "chunked64 lookahead Lp=2 mtp2 R=0", "chunked64 none R=0",
-        "llama4 none R=0"]
+        "llama4 none R=0"] + lookahead)
     assert {t[1] for t in whole} == {"without_junction", "reference"}
     lemma_on = {t[2] for t in runner.tasks() if t[:2] == (SERVES, "reference")}
-    assert lemma_on == {i for i, c in enumerate(CFGS) if c.write_side}
+    assert lemma_on == {i for i, c in enumerate(CFGS) if c.write_side
+                        and c.layout.name not in STREAM_CLAIMS_EXTENDED}
+    assert {c.layout.name for c in CFGS if c.write_side} & set(STREAM_CLAIMS_EXTENDED)
 
 
 def test_a_composed_verdict_of_the_reference_carries_over_to_the_repaired_policy():
