@@ -114,8 +114,8 @@ def retention_intervals(sizes):
 # layouts beyond gemma and the EAGLE sliding window are --extended's.
 CORE_WRITE = {"qwen3next": (None, 0, 2), "qwen35": (None, 0, 2), "gemma": (None, 0, 2),
               "full64_swa64w200_eagle": (None, 0, 2), "chunked64": (0,), "llama4": (0,),
-              # one-group layouts: every claim, each in seconds (2026-12-07; mamba16's drop mode is left to
-              # vLLM: spec.retention.write_side_unmodelled)
+              # one-group layouts: every claim, each check at most a few seconds measured alone (2026-12-07;
+              # mamba16's drop mode is left to vLLM: spec.retention.write_side_unmodelled)
               "swa16w64": (None, 0, 2), "mamba16": (None, 0, 2),
               # without the three-request claims (STREAM_CLAIMS_EXTENDED)
               "full32_swa16w64": (None, 0, 2), "full32_swa16w100": (None, 0, 2),

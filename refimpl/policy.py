@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 856869e4ebe3ac454a782759bf76c0de74e7ac85a85c8e42632418894009d46e
-output-sha256: 9c3532cb0ac0edaa1db518a3db140096186244718e892e8c91cfaced7ea1998d
+spec-sha256: 4fab366081c580b23e6f4fbc3617971a62cf0116e498ec91e20f7c64a2f560b1
+output-sha256: e0b8e7ac7a3de85e67cc90d5434422de05aa3b0a1da59107364656f822147a1d
 """
 
 import itertools
@@ -1561,14 +1561,14 @@ FINE_MAMBA_MTP_DROP = 'a Mamba group read at hash granularity that drops, in EAG
 def write_side_unmodelled(sizes: Sizes) -> str:
     """Why the reference's write side is not modelled on this layout and speculative setting, or ``""``
     where it is. Such a layout is left wholly to vLLM by the adapter, and the default proof domain leaves its
-    write side out (``kvhit prove --extended`` still checks it, and refutes it):
+    write side out (``kvhit prove --extended`` still checks it; it refutes a write-side claim of each kind):
 
     - :data:`FINE_MAMBA_MTP_DROP`: a Mamba group read at hash granularity that drops itself (vLLM flags every
       group when its planner flags none), with multi-module MTP (``Lp >= 2``) in drop mode. Its caching calls
       end ``Lp - 1`` tokens before the chunk, so no partial tail is kept at the resend's resume point:
       ``scheduler_and_mask_boundaries_agree`` fails (``qwen3next_pmu160`` with no group flagged EAGLE, dense,
       ``N = 478``: the first repeat hits 0, a cache holding every state 160; ``three_kind``, dense,
-      ``N = 4800``: 1600 for a longer sibling where every state retained gives 3040).
+      ``N = 4800``: the first repeat and a longer sibling hit 1600 where every state retained gives 3040).
     - :data:`ONLY_MAMBA_DROPS`: drop mode in which every dropping group is a Mamba group. The reference's
       Mamba lookups never drop, and ``reference_never_below_vllm`` is refuted there (``mamba16``, ``R = 0``).
     """

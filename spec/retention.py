@@ -462,14 +462,14 @@ FINE_MAMBA_MTP_DROP = "a Mamba group read at hash granularity that drops, in EAG
 def write_side_unmodelled(sizes: Sizes) -> str:
     """Why the reference's write side is not modelled on this layout and speculative setting, or ``""``
     where it is. Such a layout is left wholly to vLLM by the adapter, and the default proof domain leaves its
-    write side out (``kvhit prove --extended`` still checks it, and refutes it):
+    write side out (``kvhit prove --extended`` still checks it; it refutes a write-side claim of each kind):
 
     - :data:`FINE_MAMBA_MTP_DROP`: a Mamba group read at hash granularity that drops itself (vLLM flags every
       group when its planner flags none), with multi-module MTP (``Lp >= 2``) in drop mode. Its caching calls
       end ``Lp - 1`` tokens before the chunk, so no partial tail is kept at the resend's resume point:
       ``scheduler_and_mask_boundaries_agree`` fails (``qwen3next_pmu160`` with no group flagged EAGLE, dense,
       ``N = 478``: the first repeat hits 0, a cache holding every state 160; ``three_kind``, dense,
-      ``N = 4800``: 1600 for a longer sibling where every state retained gives 3040).
+      ``N = 4800``: the first repeat and a longer sibling hit 1600 where every state retained gives 3040).
     - :data:`ONLY_MAMBA_DROPS`: drop mode in which every dropping group is a Mamba group. The reference's
       Mamba lookups never drop, and ``reference_never_below_vllm`` is refuted there (``mamba16``, ``R = 0``).
     """
