@@ -126,7 +126,7 @@ CORE_WRITE = {"qwen3next": (None, 0, 2), "qwen35": (None, 0, 2), "gemma": (None,
 # and so the composed reference_never_below_vllm; the junction claim), which `--extended` checks: on HEAVY
 # they were not decided within minutes a configuration, and on the two sliding-window layouts beyond gemma and
 # the EAGLE window the dominance lemma alone would add about 66 s of checks each (2026-12-07), where the
-# first-repeat claim and sparseness of both take 5.6 s (proofs/retention.py::_heavy_layout has the figures).
+# first-repeat claim and sparseness of both take 5.6 s (HEAVY's figures: proofs/retention.py::_heavy_layout).
 STREAM_CLAIMS_EXTENDED = HEAVY + ("full32_swa16w64", "full32_swa16w100")
 
 

@@ -80,8 +80,6 @@ from vllm.v1.kv_cache_interface import (
 
 import kvhit
 from kvhit.refimpl import (
-    FINE_MAMBA_MTP_DROP,
-    ONLY_MAMBA_DROPS,
     REFERENCE,
     CacheState,
     Group,

@@ -206,7 +206,7 @@ def test_off_and_shadow_leave_the_write_side_stock(name, n, mode, k, retention):
 
 def test_mamba_read_at_hash_granularity_with_mtp_drop_is_left_wholly_to_vllm(kvhit_log):
     """qwen3next with prefix_match_unit 160 and MTP 2 in drop mode, no group flagged EAGLE, so vLLM flags every
-    one and the Mamba group drops (``engine.FINE_MAMBA_MTP_DROP``: its caching calls end before the chunk and
+    one and the Mamba group drops (``refimpl.FINE_MAMBA_MTP_DROP``: its caching calls end before the chunk and
     no tail is keyed at the resend's resume point). The whole layout is left to vLLM, said
     once in the log, and the chunks, the cache left and the hits are vLLM's. With one drafted token the same
     layout is enforced (``test_enforce_write_side_leaves_the_reference_cache_and_repeats_are_stable``)."""
@@ -215,7 +215,7 @@ def test_mamba_read_at_hash_granularity_with_mtp_drop_is_left_wholly_to_vllm(kvh
     harness = _harness("qwen3next_pmu160", 1, 11910, "drop", 2, 0)
     assert engine._models[harness.manager.coordinator] is None
     notes = [r.getMessage() for r in kvhit_log.records if "not model its write side" in r.getMessage()]
-    assert notes and engine.FINE_MAMBA_MTP_DROP in notes[0], notes
+    assert notes and R.FINE_MAMBA_MTP_DROP in notes[0], notes
     assert _stock_run("qwen3next_pmu160", 11910, "drop", 2, 0) == stock
     assert engine._models[_harness("qwen3next_pmu160", 1, 11910, "drop", 1, 0).manager.coordinator] is not None
 

@@ -35,7 +35,7 @@ from tests.adapter.layouts import harness_layout, refimpl_layout, speculation
 from tests.conformance.vllm_harness import VllmHarness
 
 
-HASH_GRANULAR = engine.FINE_MAMBA_MTP_DROP
+HASH_GRANULAR = R.FINE_MAMBA_MTP_DROP
 # scenario -> (what the unmodelled reason names, the catalogue layout it is)
 SCENARIOS = {
     # Auxiliary outputs cap each lookup at the leading whole blocks of full attention, which a hit inside a
@@ -175,7 +175,7 @@ def test_drop_mode_in_which_only_mamba_groups_drop_leaves_the_layout_stock(monke
     (e.g. R = 0, N = 144, a 114-token prefix of it, then a 112-token one: the reference hits 112 then 0,
     vLLM 0 then 96), so enforce leaves it to vLLM."""
     harness = lambda: VllmHarness(harness_layout(_mamba16()), "drop", retention_interval=0, max_model_len=600)
-    _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 144, engine.ONLY_MAMBA_DROPS)
+    _left_stock(monkeypatch, tmp_path, kvhit_log, harness, 144, R.ONLY_MAMBA_DROPS)
 
 
 def test_chunked_local_attention_beside_a_sliding_window_leaves_the_layout_stock(monkeypatch, tmp_path, kvhit_log):

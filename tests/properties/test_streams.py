@@ -36,7 +36,7 @@ def _mamba_drops(config):
 
 
 # The configurations of those the adapter enforces: all but multi-module MTP in drop mode where the Mamba group
-# drops (engine.FINE_MAMBA_MTP_DROP; there scheduler_and_mask_boundaries_agree fails, README "Not proved").
+# drops (refimpl.FINE_MAMBA_MTP_DROP; there scheduler_and_mask_boundaries_agree fails, README "Not proved").
 FINE_MAMBA = [c for c in CONFIGS if _fine_mamba(c)
               and not (c.speculation.drop and c.speculation.prefill_lookahead >= 2 and _mamba_drops(c))]
 

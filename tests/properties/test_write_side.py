@@ -235,7 +235,7 @@ def test_with_one_partial_tail_a_longer_sibling_resumes_at_the_resends_point():
 
 
 def test_where_only_mamba_drops_with_mtp_the_resend_point_is_never_computed():
-    """Where the adapter leaves a layout to vLLM (``engine.ONLY_MAMBA_DROPS``): one Mamba group of 16 tokens,
+    """Where the adapter leaves a layout to vLLM (``refimpl.ONLY_MAMBA_DROPS``): one Mamba group of 16 tokens,
     two MTP modules in drop mode, a prompt of 17. Its resend resumes at 16 with every state retained, but 16
     lies within the prefill lookahead of the prompt end, where no chunk ends, so no state is ever computed
     there and the resend hits 0 (README, "Not proved")."""
