@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 4fab366081c580b23e6f4fbc3617971a62cf0116e498ec91e20f7c64a2f560b1
-output-sha256: e0b8e7ac7a3de85e67cc90d5434422de05aa3b0a1da59107364656f822147a1d
+spec-sha256: 4612e5ba40fd13ccaf3344929ee25d0a800464fdcb2a2715223f5cf1d1779852
+output-sha256: 4c43e9a547acd673932871acc2024c4e87ce992cc6e42735e570eb4886264311
 """
 
 import itertools
@@ -684,6 +684,14 @@ class Rules:
             gains ``shared_prefix_boundary - self.block_size`` when ``self.use_eagle``); without it only
             the junction (vLLM 0.32, the same method without that line;
             :func:`kvhit.spec.retention.junction_boundaries`).
+        coarse_junction: the write side also keeps state at the junction floored to the block of each group
+            vLLM's loop looks up first (:func:`prefix_groups`), where vLLM's own junction lands (its first
+            lookup's candidate is a multiple of that block): a junction at the alignment alone, finer than
+            that block at DCP > 1, kept less than vLLM (qwen3next at DCP 2, ``R = 0``: 16002 tokens, its first
+            6400, then a prompt sharing 3200: vLLM keeps a Mamba state at 3200 and hits it; without this
+            rule the reference keeps 4800 and 6400 and hits 0; :func:`kvhit.spec.retention.coarse_junctions`).
+        vllm_checkpoint: the write side also keeps state at vLLM's Mamba prompt checkpoint, one more replay
+            boundary (:func:`kvhit.spec.retention.replay_boundaries`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -710,11 +718,13 @@ class Rules:
     record_junction: bool = True
     lookahead_hashes: bool = True
     junction_below: bool = True
+    coarse_junction: bool = False
+    vllm_checkpoint: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, 'replay', Replay(self.replay))
         object.__setattr__(self, 'junction', Junction(self.junction))
-REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME)
+REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME, coarse_junction=True, vllm_checkpoint=True)
 VLLM_0_33 = Rules('vllm_0_33')
 VLLM_0_32 = Rules('vllm_0_32', lookahead_hashes=False, junction_below=False)
 HISTORICAL = Rules('historical', eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
@@ -728,6 +738,8 @@ RETAIN_PROMPT_END = replace(REFERENCE, name='retain_prompt_end', replay=Replay.P
 RETAIN_EVERY_BOUNDARY = replace(REFERENCE, name='retain_every_boundary', sparse_zero=False)
 JUNCTION_PAST_HIT = replace(HISTORICAL, name='junction_past_hit', junction=Junction.NEXT_BLOCK)
 WITHOUT_JUNCTION = replace(REFERENCE, name='without_junction', record_junction=False)
+FINE_JUNCTION_ONLY = replace(REFERENCE, name='fine_junction_only', coarse_junction=False)
+WITHOUT_VLLM_CHECKPOINT = replace(REFERENCE, name='without_vllm_checkpoint', vllm_checkpoint=False)
 
 @dataclass(frozen=True)
 class Repair:
@@ -739,23 +751,25 @@ class Repair:
         finding: the finding of docs/findings.md it removes.
         vllm: the vLLM code it changes.
         rule: the :class:`Rules` field it sets, and ``value`` what to.
+        also: further ``(field, value)`` pairs the same patch sets.
     """
     name: str
     finding: str
     vllm: str
     rule: str
     value: object = True
-REPAIRS = {r.name: r for r in (Repair('cap_at_hashes', 'F1', 'KVCacheCoordinator.find_longest_cache_hit (Unitary and Hybrid)', 'cap_at_hashes'), Repair('unitary_margin', 'F2', 'UnitaryKVCacheCoordinator.find_longest_cache_hit', 'unitary_margin'), Repair('drop_before_align', 'F5', 'SlidingWindowManager.find_longest_cache_hit', 'drop_before_align'), Repair('probe_past_max', 'F6', 'FullAttentionManager.find_longest_cache_hit', 'probe_past_max'), Repair('reverify_after_shrink', 'C1', 'HybridKVCacheCoordinator.find_longest_cache_hit', 'reverify_after_shrink'), Repair('replay_at_resume', 'W', 'kv_cache_coordinator.replay_boundaries', 'replay', Replay.RESUME))}
+    also: tuple = ()
+REPAIRS = {r.name: r for r in (Repair('cap_at_hashes', 'F1', 'KVCacheCoordinator.find_longest_cache_hit (Unitary and Hybrid)', 'cap_at_hashes'), Repair('unitary_margin', 'F2', 'UnitaryKVCacheCoordinator.find_longest_cache_hit', 'unitary_margin'), Repair('drop_before_align', 'F5', 'SlidingWindowManager.find_longest_cache_hit', 'drop_before_align'), Repair('probe_past_max', 'F6', 'FullAttentionManager.find_longest_cache_hit', 'probe_past_max'), Repair('reverify_after_shrink', 'C1', 'HybridKVCacheCoordinator.find_longest_cache_hit', 'reverify_after_shrink'), Repair('replay_at_resume', 'W', 'kv_cache_coordinator.replay_boundaries', 'replay', Replay.RESUME, also=(('coarse_junction', True), ('vllm_checkpoint', True))))}
 
 def repaired(names, base: Rules=VLLM_0_33, name: str | None=None) -> Rules:
     """``base`` (vLLM 0.33) with the named repairs of :data:`REPAIRS` on."""
     rules = base
     for n in names:
-        rules = replace(rules, **{REPAIRS[n].rule: REPAIRS[n].value})
+        rules = replace(rules, **{REPAIRS[n].rule: REPAIRS[n].value, **dict(REPAIRS[n].also)})
     return replace(rules, name=name or '+'.join((base.name,) + tuple(names)))
 VLLM_0_33_REPAIRED = repaired(tuple(REPAIRS), name='vllm_0_33_repaired')
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPAIRED)}
-KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
+KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION, FINE_JUNCTION_ONLY, WITHOUT_VLLM_CHECKPOINT)}
 RELEASES = {r.name: r for r in (VLLM_0_32,)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD, **RELEASES}
 
@@ -1381,24 +1395,47 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     this one inside its last blocks resumes at vLLM's lower boundary under vLLM (block 32, MTP, drop,
     ``R = 0``, ``N = 128``: vLLM keeps 64 and 96, the resume points are 96 only, and a prompt sharing 100
     tokens of it hits 64 under vLLM; vLLM's own ``test_hybrid_mamba_retention_mtp_resend_of_aligned_prompt``;
-    DeepSeek-V4, a prompt sharing 20220 of a 45591-token prompt: 16384).
+    DeepSeek-V4, a prompt sharing 20220 of a 45591-token prompt: 16384). With ``rules.vllm_checkpoint``
+    and a Mamba group, vLLM's Mamba prompt checkpoint after the resume points
+    (``get_mamba_prefill_checkpoint_position`` at the hash unit, where vLLM registers the prompt's state):
+    where a full-attention block is coarser than the hash unit (DCP > 1), a resend resumes a block below
+    it, and a later prompt sharing a longer prefix with another found vLLM's state there (qwen3next at
+    DCP 2, MTP 2, lookahead, ``R = 0``: ``N = 6401``, a long sibling sharing it, then a prompt following
+    the sibling: vLLM hits 4800, the reference without it 3200).
     """
     ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == Replay.RESUME else ()
+    if rules.vllm_checkpoint and any((sg.kind is Kind.MAMBA for sg in sizes.groups)):
+        drop = sizes.drop and rules.checkpoint_drop
+        ours += (checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead),)
     if rules.replay == Replay.PROMPT_END or not sizes.drop:
         return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
     return ours + (max((n_tokens - 1) // s * s - s, 0), max(n_tokens // s * s - s, 0))
 
+def coarse_junctions(sizes: Sizes, junction, rules: Rules):
+    """With ``rules.coarse_junction``: the junction floored to the block of each group vLLM's loop looks up
+    first (:func:`~kvhit.spec.policy.prefix_groups`) that the alignment is not a multiple of, where vLLM's
+    own junction lands (its first lookup's candidate is a multiple of that block). :data:`NO_JUNCTION`
+    for none; none without the rule."""
+    if not rules.coarse_junction:
+        return ()
+    out = []
+    for b in sorted({sizes.groups[k].block for k in prefix_groups(sizes)}):
+        if sizes.alignment % b:
+            out.append(junction // b * b if junction >= b else NO_JUNCTION)
+    return tuple(out)
+
 def junction_boundaries(sizes: Sizes, k, junction, rules: Rules):
-    """The junction, and for a dropping group with ``rules.junction_below`` one block below it (a sibling
-    that diverges right after the junction cannot peek past it: vLLM 0.33
-    ``SingleTypeKVCacheManager.cache_blocks``; vLLM 0.32 keeps only the junction). :data:`NO_JUNCTION` for
-    none."""
+    """Where spec group ``k`` keeps state for the request's shared-prefix junction: the junction; for a
+    dropping group with ``rules.junction_below`` one block below it (a sibling that diverges right after the
+    junction cannot peek past it: vLLM 0.33 ``SingleTypeKVCacheManager.cache_blocks``; vLLM 0.32 keeps only
+    the junction); then the :func:`coarse_junctions`. :data:`NO_JUNCTION` for none."""
     sg = sizes.groups[k]
     here = junction if junction > 0 else NO_JUNCTION
+    coarse = coarse_junctions(sizes, junction, rules)
     if not (sg.drops and rules.junction_below):
-        return (here,)
-    return (here, junction - sg.block if junction > 0 else NO_JUNCTION)
+        return (here,) + coarse
+    return (here, junction - sg.block if junction > 0 else NO_JUNCTION) + coarse
 
 def gaps_possible(sizes: Sizes, k) -> bool:
     """Whether spec group ``k`` (a sliding window) can lose blocks before they are cached: only when a
@@ -1527,7 +1564,7 @@ def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: R
     if not cached:
         return ()
     out = []
-    for x in tuple(boundaries) + (junction,):
+    for x in tuple(boundaries) + (junction,) + coarse_junctions(sizes, junction, rules):
         p = x // sizes.alignment * sizes.alignment
         within = False
         for c in cached:

@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: 4fab366081c580b23e6f4fbc3617971a62cf0116e498ec91e20f7c64a2f560b1
+spec-sha256: 4612e5ba40fd13ccaf3344929ee25d0a800464fdcb2a2715223f5cf1d1779852
 output-sha256: c1e9050dea8d620072e7fb508362fd988139a8e2689b1eaee7c5c0dcdd37204e
 """
 

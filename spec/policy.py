@@ -104,6 +104,14 @@ class Rules:
             gains ``shared_prefix_boundary - self.block_size`` when ``self.use_eagle``); without it only
             the junction (vLLM 0.32, the same method without that line;
             :func:`kvhit.spec.retention.junction_boundaries`).
+        coarse_junction: the write side also keeps state at the junction floored to the block of each group
+            vLLM's loop looks up first (:func:`prefix_groups`), where vLLM's own junction lands (its first
+            lookup's candidate is a multiple of that block): a junction at the alignment alone, finer than
+            that block at DCP > 1, kept less than vLLM (qwen3next at DCP 2, ``R = 0``: 16002 tokens, its first
+            6400, then a prompt sharing 3200: vLLM keeps a Mamba state at 3200 and hits it; without this
+            rule the reference keeps 4800 and 6400 and hits 0; :func:`kvhit.spec.retention.coarse_junctions`).
+        vllm_checkpoint: the write side also keeps state at vLLM's Mamba prompt checkpoint, one more replay
+            boundary (:func:`kvhit.spec.retention.replay_boundaries`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -131,13 +139,15 @@ class Rules:
     record_junction: bool = True
     lookahead_hashes: bool = True
     junction_below: bool = True
+    coarse_junction: bool = False
+    vllm_checkpoint: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "replay", Replay(self.replay))
         object.__setattr__(self, "junction", Junction(self.junction))
 
 
-REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME)
+REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME, coarse_junction=True, vllm_checkpoint=True)
 VLLM_0_33 = Rules("vllm_0_33")
 # vLLM 0.32.0: 0.33's read side (the same coordinators, loop, finders and alignment), without lookahead block
 # hashes and without the junction's lower boundary on the write side (docs/notes/vllm-0.32-policy.md, D1, D3).
@@ -157,6 +167,12 @@ JUNCTION_PAST_HIT = replace(HISTORICAL, name="junction_past_hit", junction=Junct
 # The reference as it was before it recorded a junction: diverging prompts after a shared prefix lose
 # what vLLM's junction gives them (vLLM 0.33.0's own tests showed it).
 WITHOUT_JUNCTION = replace(REFERENCE, name="without_junction", record_junction=False)
+# The reference as it was before it also kept vLLM's coarser junction: at DCP > 1 a Mamba hybrid lost a hit
+# vLLM's junction gives (qwen3next, DCP 2, R = 0).
+FINE_JUNCTION_ONLY = replace(REFERENCE, name="fine_junction_only", coarse_junction=False)
+# ... and before it also kept vLLM's Mamba prompt checkpoint: at DCP > 1 a resend resumes a full-attention
+# block below it, and a prompt that later shares more found vLLM's state there (qwen3next, DCP 2, MTP 2).
+WITHOUT_VLLM_CHECKPOINT = replace(REFERENCE, name="without_vllm_checkpoint", vllm_checkpoint=False)
 
 
 
@@ -170,6 +186,7 @@ class Repair:
         finding: the finding of docs/findings.md it removes.
         vllm: the vLLM code it changes.
         rule: the :class:`Rules` field it sets, and ``value`` what to.
+        also: further ``(field, value)`` pairs the same patch sets.
     """
 
     name: str
@@ -177,6 +194,7 @@ class Repair:
     vllm: str
     rule: str
     value: object = True
+    also: tuple = ()
 
 
 REPAIRS = {r.name: r for r in (
@@ -186,7 +204,8 @@ REPAIRS = {r.name: r for r in (
     Repair("probe_past_max", "F6", "FullAttentionManager.find_longest_cache_hit", "probe_past_max"),
     Repair("reverify_after_shrink", "C1", "HybridKVCacheCoordinator.find_longest_cache_hit",
            "reverify_after_shrink"),
-    Repair("replay_at_resume", "W", "kv_cache_coordinator.replay_boundaries", "replay", Replay.RESUME),
+    Repair("replay_at_resume", "W", "kv_cache_coordinator.replay_boundaries", "replay", Replay.RESUME,
+           also=(("coarse_junction", True), ("vllm_checkpoint", True))),
 )}
 
 
@@ -194,7 +213,7 @@ def repaired(names, base: Rules = VLLM_0_33, name: str | None = None) -> Rules:
     """``base`` (vLLM 0.33) with the named repairs of :data:`REPAIRS` on."""
     rules = base
     for n in names:
-        rules = replace(rules, **{REPAIRS[n].rule: REPAIRS[n].value})
+        rules = replace(rules, **{REPAIRS[n].rule: REPAIRS[n].value, **dict(REPAIRS[n].also)})
     return replace(rules, name=name or "+".join((base.name,) + tuple(names)))
 
 
@@ -204,7 +223,8 @@ VLLM_0_33_REPAIRED = repaired(tuple(REPAIRS), name="vllm_0_33_repaired")
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPAIRED)}
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
                                  PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END,
-                                 RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION)}
+                                 RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION,
+                                 FINE_JUNCTION_ONLY, WITHOUT_VLLM_CHECKPOINT)}
 # Policies of other vLLM releases: named and replayable (``policy_rules``); ``make prove`` checks every claim
 # about every policy for them on the settings their engine has (``kvhit.proofs.model.accepts``).
 RELEASES = {r.name: r for r in (VLLM_0_32,)}

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 
 from .cache import Held, live_gaps, written
 from .domain import Kind
-from .policy import Junction, Replay, Rules, check_speculation, hit_tokens, max_length_within_hashes, skipped_blocks
+from .policy import (Junction, Replay, Rules, check_speculation, hit_tokens, max_length_within_hashes, prefix_groups,
+                     skipped_blocks)
 from .sizes import Sizes, hash_reach
 from .terms import and_, cdiv, eq, floor_to, ite, max_, min_, not_, or_
 
@@ -260,25 +261,49 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     this one inside its last blocks resumes at vLLM's lower boundary under vLLM (block 32, MTP, drop,
     ``R = 0``, ``N = 128``: vLLM keeps 64 and 96, the resume points are 96 only, and a prompt sharing 100
     tokens of it hits 64 under vLLM; vLLM's own ``test_hybrid_mamba_retention_mtp_resend_of_aligned_prompt``;
-    DeepSeek-V4, a prompt sharing 20220 of a 45591-token prompt: 16384).
+    DeepSeek-V4, a prompt sharing 20220 of a 45591-token prompt: 16384). With ``rules.vllm_checkpoint``
+    and a Mamba group, vLLM's Mamba prompt checkpoint after the resume points
+    (``get_mamba_prefill_checkpoint_position`` at the hash unit, where vLLM registers the prompt's state):
+    where a full-attention block is coarser than the hash unit (DCP > 1), a resend resumes a block below
+    it, and a later prompt sharing a longer prefix with another found vLLM's state there (qwen3next at
+    DCP 2, MTP 2, lookahead, ``R = 0``: ``N = 6401``, a long sibling sharing it, then a prompt following
+    the sibling: vLLM hits 4800, the reference without it 3200).
     """
     ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == Replay.RESUME else ()
+    if rules.vllm_checkpoint and any(sg.kind is Kind.MAMBA for sg in sizes.groups):
+        drop = sizes.drop and rules.checkpoint_drop
+        ours += (checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead),)
     if rules.replay == Replay.PROMPT_END or not sizes.drop:
         return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
     return ours + (max_(floor_to(n_tokens - 1, s) - s, 0), max_(floor_to(n_tokens, s) - s, 0))
 
 
+def coarse_junctions(sizes: Sizes, junction, rules: Rules):
+    """With ``rules.coarse_junction``: the junction floored to the block of each group vLLM's loop looks up
+    first (:func:`~kvhit.spec.policy.prefix_groups`) that the alignment is not a multiple of, where vLLM's
+    own junction lands (its first lookup's candidate is a multiple of that block). :data:`NO_JUNCTION`
+    for none; none without the rule."""
+    if not rules.coarse_junction:
+        return ()
+    out = []
+    for b in sorted({sizes.groups[k].block for k in prefix_groups(sizes)}):
+        if sizes.alignment % b:
+            out.append(ite(junction >= b, floor_to(junction, b), NO_JUNCTION))
+    return tuple(out)
+
+
 def junction_boundaries(sizes: Sizes, k, junction, rules: Rules):
-    """The junction, and for a dropping group with ``rules.junction_below`` one block below it (a sibling
-    that diverges right after the junction cannot peek past it: vLLM 0.33
-    ``SingleTypeKVCacheManager.cache_blocks``; vLLM 0.32 keeps only the junction). :data:`NO_JUNCTION` for
-    none."""
+    """Where spec group ``k`` keeps state for the request's shared-prefix junction: the junction; for a
+    dropping group with ``rules.junction_below`` one block below it (a sibling that diverges right after the
+    junction cannot peek past it: vLLM 0.33 ``SingleTypeKVCacheManager.cache_blocks``; vLLM 0.32 keeps only
+    the junction); then the :func:`coarse_junctions`. :data:`NO_JUNCTION` for none."""
     sg = sizes.groups[k]
     here = ite(junction > 0, junction, NO_JUNCTION)
+    coarse = coarse_junctions(sizes, junction, rules)
     if not (sg.drops and rules.junction_below):
-        return (here,)
-    return (here, ite(junction > 0, junction - sg.block, NO_JUNCTION))
+        return (here,) + coarse
+    return (here, ite(junction > 0, junction - sg.block, NO_JUNCTION)) + coarse
 
 
 def gaps_possible(sizes: Sizes, k) -> bool:
@@ -418,7 +443,7 @@ def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: R
     if not cached:
         return ()
     out = []
-    for x in tuple(boundaries) + (junction,):
+    for x in tuple(boundaries) + (junction,) + coarse_junctions(sizes, junction, rules):
         p = floor_to(x, sizes.alignment)
         within = False
         for c in cached:

@@ -89,6 +89,7 @@ from kvhit.refimpl import (
     Sizes,
     Speculation,
     check_retention,
+    coarse_junctions,
     derive_sizes,
     group_extent,
     group_extents,
@@ -253,15 +254,24 @@ class WriteModel:
         resend = resume_tail(self.sizes, self.resume_points(n_tokens))
         return resend // self.sizes.alignment * self.sizes.alignment
 
+    def junctions(self, junction: int) -> tuple[int, ...]:
+        """Where the reference keeps state for a request's shared-prefix junction besides what vLLM's
+        managers add for it (the junction, and one block below it in a dropping group): the junction and
+        ``refimpl.coarse_junctions`` (the junction floored to the block vLLM's own junction lands on), the
+        positive ones."""
+        if junction <= 0:
+            return ()
+        return tuple(x for x in (junction,) + tuple(coarse_junctions(self.sizes, junction, REFERENCE)) if x > 0)
+
     def next_mamba_stop(self, n_tokens: int, start: int, end: int, junction: int = 0) -> int | None:
         """The first position strictly inside ``(start, end)`` where a Mamba group of the prompt keeps a
         state under the reference (``refimpl.mamba_held``): an aligned replay boundary or the request's
-        shared-prefix junction (``junction``, when positive), or a multiple of the group's periodic step
-        (``refimpl.resume_period``: the retention interval, ``max(A, b)`` when dense); each at most the
-        group's extent."""
+        shared-prefix junction (``junction``, when positive) and its floors (:meth:`junctions`), or a
+        multiple of the group's periodic step (``refimpl.resume_period``: the retention interval,
+        ``max(A, b)`` when dense); each at most the group's extent."""
         a = self.sizes.alignment
         best = None
-        at = self.boundaries(n_tokens) + ((junction,) if junction > 0 else ())
+        at = self.boundaries(n_tokens) + self.junctions(junction)
         for k in self.mamba_groups:
             extent = group_extent(self.sizes, k, n_tokens)
             candidates = [x // a * a for x in at]
@@ -1407,6 +1417,7 @@ class _Writing:
 
     write: WriteModel
     num_prompt_tokens: int
+    junction: int = 0
 
 
 # Set while KVCacheCoordinator.cache_blocks runs for a request of a coordinator whose write side kvhit
@@ -1433,7 +1444,7 @@ def coordinator_cache_blocks_seam(original: Callable) -> Callable:
             return original(self, request, num_computed_tokens)
         tier = _tiers.get(self.block_pool)
         before = tier.cached_counts(self, request.request_id) if tier is not None else None
-        token = _writing.set(_Writing(write, request.num_prompt_tokens))
+        token = _writing.set(_Writing(write, request.num_prompt_tokens, request.shared_prefix_boundary or 0))
         try:
             original(self, request, num_computed_tokens)
         finally:
@@ -1453,11 +1464,12 @@ def coordinator_replay_boundaries_seam(original: Callable) -> Callable:
     def coordinator_replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int,
                                       use_eagle: bool) -> tuple[int, ...]:
         """``kv_cache_coordinator.replay_boundaries``: the reference's resume points inside an enforced
-        ``cache_blocks`` (``refimpl.replay_boundaries(sizes, N, REFERENCE)``), vLLM's elsewhere."""
+        ``cache_blocks`` (``refimpl.replay_boundaries(sizes, N, REFERENCE)``) and the request's junctions
+        (``WriteModel.junctions``; vLLM's managers add the junction itself again), vLLM's elsewhere."""
         writing = _writing.get()
         if writing is not None:
             try:
-                return writing.write.boundaries(num_prompt_tokens)
+                return writing.write.boundaries(num_prompt_tokens) + writing.write.junctions(writing.junction)
             except Exception as e:  # noqa: BLE001 - a failure must not take the scheduler down
                 _write_fall_back(writing.write, e)
         return original(num_prompt_tokens, scheduler_block_size, use_eagle)

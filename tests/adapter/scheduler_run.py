@@ -207,7 +207,8 @@ def nemotron_h_mtp_swa_layers(vllm_config) -> dict:
 
 # name -> (target, speculative config (draft paths relative to the models folder; None for none), layer specs,
 #          block size, prompts served in order: a length (one prompt per length: equal lengths repeat it), or
-#          ``(length, shared, variant)``, a prompt whose first ``shared`` tokens are the scenario's system prompt)
+#          ``(length, shared, variant)``, a prompt whose first ``shared`` tokens are the scenario's system prompt;
+#          two with the same ``shared`` and ``variant`` share the shorter one's tokens)
 SCENARIOS = {
     "eagle-drop": ("llama", {"method": "eagle", "model": "llama_eagle_draft", "num_speculative_tokens": 1,
                              "disable_lookahead_block_hashes": True}, llama_eagle_layers, 16, (1024, 1024, 1024)),
@@ -258,6 +259,23 @@ for _name, (_spec, _layers, _prompts) in _SHARED.items():
         SCENARIOS[f"{_name}-{_suffix}"] = (_target, _spec, _layers, 1600 if _target != "llama" else 16,
                                            _prompts)
         RETENTION[f"{_name}-{_suffix}"] = _retention
+# Streams of prompts sharing prefixes on the Nemotron-H with one KV head under DCP 2 (full attention 3200 across
+# the ranks, Mamba 1600), retention 0: where the reference's own junction and resume points alone kept less
+# than stock vLLM (spec.policy FINE_JUNCTION_ONLY, WITHOUT_VLLM_CHECKPOINT; the prover's counterexamples).
+# Without a drafter: a prompt, its first 6400 tokens (vLLM's junction lands at 3200, a full-attention block
+# below the reference's 4800), then a prompt sharing 3200. With two MTP modules, lookahead: a prompt of 6401, a
+# longer one sharing it, then one sharing 9601 with that one (vLLM keeps its prompt checkpoint, 4800, above the
+# reference's resume point, 3200).
+_DCP_STREAMS = {
+    "stream-dcp2-r0": (None, lambda c: nemotron_h_mtp_layers(c, "nemotron_h_mtp_mqa", drafts=0),
+                       ((16002, 16002, 0), (6400, 6400, 0), (9599, 3200, 1))),
+    "stream-mtp2-lookahead-dcp2-r0": ({"method": "mtp", "num_speculative_tokens": 2},
+                                      lambda c: nemotron_h_mtp_layers(c, "nemotron_h_mtp_mqa"),
+                                      ((6401, 6401, 0), (11201, 6401, 1), (9601, 6401, 1))),
+}
+for _name, (_spec, _layers, _prompts) in _DCP_STREAMS.items():
+    SCENARIOS[_name] = ("nemotron_h_mtp_mqa", _spec, _layers, 1600, _prompts)
+    PARALLEL[_name] = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
 # Mamba read at hash granularity (its states inside a block are partial tails), by prefix_match_unit 160 (the
 # catalogue's qwen3next_pmu160) or by a sliding window of block 160 (three_kind), with the MTP layers in the
 # full-attention group: with one MTP module in drop mode enforced (tests/adapter/test_fine_mamba.py), with two
@@ -526,7 +544,7 @@ def _prompt(name: str, entry) -> list[int]:
         return [rng.randrange(3, 512) for _ in range(entry)]
     n, shared, variant = entry
     system = random.Random(f"{name}/system")
-    rng = random.Random(f"{name}/{n}/{variant}")
+    rng = random.Random(f"{name}/{shared}/{variant}")  # one variant of one shared length: prefixes of each other
     return [system.randrange(3, 512) for _ in range(shared)] + [rng.randrange(3, 512) for _ in range(n - shared)]
 
 

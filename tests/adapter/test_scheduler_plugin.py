@@ -87,6 +87,12 @@ _SHARED_SETUP = {
 SHARED_SCENARIOS = [f"{name}-{suffix}" for name in _SHARED_SETUP for suffix in ("r0", "dense")]
 for _scenario in SHARED_SCENARIOS:
     EXPECTED_SETUP[_scenario] = _SHARED_SETUP[_scenario.rsplit("-", 1)[0]]
+# Streams under DCP 2 where the reference's own junction and resume points alone kept less than stock vLLM
+# (scheduler_run._DCP_STREAMS): each with the known-bad variant that loses a hit there.
+DCP_STREAMS = {"stream-dcp2-r0": "fine_junction_only", "stream-mtp2-lookahead-dcp2-r0": "without_vllm_checkpoint"}
+EXPECTED_SETUP["stream-dcp2-r0"] = (R.Layout(_SHARED_SETUP["shared-mamba"][0].groups, dcp=2),
+                                    R.Speculation("none"), _SHARED_SETUP["shared-mamba"][2])
+EXPECTED_SETUP["stream-mtp2-lookahead-dcp2-r0"] = EXPECTED_SETUP["mtp2-lookahead-dcp2"]
 RUNS = {  # name -> (extra arguments, KVHIT_MODE)
     "stock": ([], None),
     "off": (["--load-plugins"], "off"),
@@ -247,6 +253,39 @@ def test_enforce_never_gives_less_than_stock_to_prompts_sharing_a_system_prompt(
     on_system_prompt = R.hit(layout, speculation, n, [shared - sizes.hash_lookahead] * len(sizes.groups),
                              "reference")
     assert on_system_prompt > 0 and [e for _, e in hits[2:4]] == [on_system_prompt] * 2, (scenario, hits)
+
+
+def _stream_hits(scenario, policy):
+    """refimpl's hits for the scenario's prompts served in order on an empty cache, retention 0, each
+    request reading what every earlier one left (its write side under ``policy``) up to the tokens the two
+    prompts share (counted on the prompts the run served)."""
+    layout, speculation, _ = EXPECTED_SETUP[scenario]
+    sizes, rules = R.derive_sizes(layout, speculation), R.ALL_POLICIES[policy]
+    prompts = [scheduler_run._prompt(scenario, entry) for entry in scheduler_run.SCENARIOS[scenario][4]]
+    left, hits = [], []
+    for tokens in prompts:
+        layers = []
+        for earlier, writes in left:
+            shared = next((i for i, (a, b) in enumerate(zip(tokens, earlier)) if a != b), min(len(tokens), len(earlier)))
+            layers.append(tuple(R.clip(sizes, g, shared) for g in writes))
+        cache = R.written_cache(tuple(tuple(layer[k] for layer in layers) for k in range(len(sizes.groups))))
+        hit, _, _, _, writes = R.serve(sizes, len(tokens), 0, rules, cache)
+        hits.append(hit)
+        left.append((tokens, writes))
+    return hits
+
+
+@pytest.mark.parametrize("scenario", DCP_STREAMS)
+def test_enforce_never_gives_less_than_stock_to_diverging_prompts_under_dcp(runs, scenario):
+    """Under DCP 2 a Mamba hybrid's prompts that share prefixes and diverge: at every request enforce's hit
+    is at least stock vLLM's, and both are refimpl's for the stream (the reference's and vllm_0_33's write
+    and read sides); the known-bad variant, without the rule that keeps vLLM's boundary, gets less than stock
+    on the last request, so the stream tells the two apart."""
+    stock, enforce = ([s["num_cached_tokens"] for s in runs[run][0]["scenarios"][scenario]["served"]]
+                      for run in ("stock", "enforce"))
+    assert all(e >= s for s, e in zip(stock, enforce)), (scenario, stock, enforce)
+    assert (stock, enforce) == (_stream_hits(scenario, "vllm_0_33"), _stream_hits(scenario, "reference"))
+    assert _stream_hits(scenario, DCP_STREAMS[scenario])[-1] < stock[-1], (scenario, stock)
 
 
 def test_auxiliary_outputs_cap_lookups_below_n_minus_1_and_enforce_answers_them(runs):
