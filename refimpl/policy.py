@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 4612e5ba40fd13ccaf3344929ee25d0a800464fdcb2a2715223f5cf1d1779852
-output-sha256: 4c43e9a547acd673932871acc2024c4e87ce992cc6e42735e570eb4886264311
+spec-sha256: 48bdd3c563d13fcb39c10a0a92ad24738eb62207fb894a61dd86977f438f9ecf
+output-sha256: 91be7698e7dd1def074e3b1d9e765e289c15a261ebd04a41c73f6dc8680c04bd
 """
 
 import itertools
@@ -1548,8 +1548,8 @@ def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules, retained=
 def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: Rules):
     """Where the scheduler also ends a chunk so that a Mamba state exists wherever one is retained, under
     ``Replay.RESUME`` (vLLM, patched: ``KVCacheCoordinator.next_mamba_state_boundary``, one more entry of
-    ``_mamba_block_aligned_split``'s ``stops``): each replay boundary and the junction floored to the
-    alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may end within the prefill lookahead of the
+    ``_mamba_block_aligned_split``'s ``stops``): each replay boundary, the junction and its
+    :func:`coarse_junctions` floored to the alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may end within the prefill lookahead of the
     prompt end, ``_reserve_prefill_lookahead``) and some Mamba group's cached tokens at the prompt end (its
     cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
     (of ``max(A, b)`` when dense) there: those are the Mamba groups' periodic states (:func:`mamba_held`),
