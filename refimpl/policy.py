@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 48bdd3c563d13fcb39c10a0a92ad24738eb62207fb894a61dd86977f438f9ecf
-output-sha256: 91be7698e7dd1def074e3b1d9e765e289c15a261ebd04a41c73f6dc8680c04bd
+spec-sha256: 7e4599eec34feaba207b1eed7f3e133edcc1146eac3affe3d5635d3eb03d1b46
+output-sha256: d777c7eeb7352bf6ae42a2072bf9980472e5c3191212f24f23d33cd52861bc57
 """
 
 import itertools
@@ -1549,9 +1549,9 @@ def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: R
     """Where the scheduler also ends a chunk so that a Mamba state exists wherever one is retained, under
     ``Replay.RESUME`` (vLLM, patched: ``KVCacheCoordinator.next_mamba_state_boundary``, one more entry of
     ``_mamba_block_aligned_split``'s ``stops``): each replay boundary, the junction and its
-    :func:`coarse_junctions` floored to the alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may end within the prefill lookahead of the
-    prompt end, ``_reserve_prefill_lookahead``) and some Mamba group's cached tokens at the prompt end (its
-    cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
+    :func:`coarse_junctions` floored to the alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may
+    end within the prefill lookahead of the prompt end, ``_reserve_prefill_lookahead``) and some Mamba
+    group's cached tokens at the prompt end (its cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
     (of ``max(A, b)`` when dense) there: those are the Mamba groups' periodic states (:func:`mamba_held`),
     not listed. :data:`NO_STOP` for an absent one; none under another ``replay`` rule."""
     if rules.replay != Replay.RESUME:

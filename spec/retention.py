@@ -428,9 +428,9 @@ def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: R
     """Where the scheduler also ends a chunk so that a Mamba state exists wherever one is retained, under
     ``Replay.RESUME`` (vLLM, patched: ``KVCacheCoordinator.next_mamba_state_boundary``, one more entry of
     ``_mamba_block_aligned_split``'s ``stops``): each replay boundary, the junction and its
-    :func:`coarse_junctions` floored to the alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may end within the prefill lookahead of the
-    prompt end, ``_reserve_prefill_lookahead``) and some Mamba group's cached tokens at the prompt end (its
-    cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
+    :func:`coarse_junctions` floored to the alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may
+    end within the prefill lookahead of the prompt end, ``_reserve_prefill_lookahead``) and some Mamba
+    group's cached tokens at the prompt end (its cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
     (of ``max(A, b)`` when dense) there: those are the Mamba groups' periodic states (:func:`mamba_held`),
     not listed. :data:`NO_STOP` for an absent one; none under another ``replay`` rule."""
     if rules.replay != Replay.RESUME:

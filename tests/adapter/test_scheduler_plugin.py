@@ -266,7 +266,8 @@ def _stream_hits(scenario, policy):
     for tokens in prompts:
         layers = []
         for earlier, writes in left:
-            shared = next((i for i, (a, b) in enumerate(zip(tokens, earlier)) if a != b), min(len(tokens), len(earlier)))
+            shared = next((i for i, (a, b) in enumerate(zip(tokens, earlier)) if a != b),
+                          min(len(tokens), len(earlier)))
             layers.append(tuple(R.clip(sizes, g, shared) for g in writes))
         cache = R.written_cache(tuple(tuple(layer[k] for layer in layers) for k in range(len(sizes.groups))))
         hit, _, _, _, writes = R.serve(sizes, len(tokens), 0, rules, cache)
