@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 7e4599eec34feaba207b1eed7f3e133edcc1146eac3affe3d5635d3eb03d1b46
-output-sha256: d777c7eeb7352bf6ae42a2072bf9980472e5c3191212f24f23d33cd52861bc57
+spec-sha256: 36090ecfa234ab1f3e634094aa127470bd3d13b642157acb0c18628da4d08dfa
+output-sha256: 092cf7a32f526447613d7129a0eec807f99dd63552c002a72a55b0d0944a6483
 """
 
 import itertools
@@ -1551,9 +1551,10 @@ def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: R
     ``_mamba_block_aligned_split``'s ``stops``): each replay boundary, the junction and its
     :func:`coarse_junctions` floored to the alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may
     end within the prefill lookahead of the prompt end, ``_reserve_prefill_lookahead``) and some Mamba
-    group's cached tokens at the prompt end (its cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
-    (of ``max(A, b)`` when dense) there: those are the Mamba groups' periodic states (:func:`mamba_held`),
-    not listed. :data:`NO_STOP` for an absent one; none under another ``replay`` rule."""
+    group's cached tokens at the prompt end (its cacheable tokens within the hashes). The scheduler also
+    stops at every multiple of the retention interval (of ``max(A, b)`` when dense) there: those are the
+    Mamba groups' periodic states (:func:`mamba_held`), not listed. :data:`NO_STOP` for an absent one;
+    none under another ``replay`` rule."""
     if rules.replay != Replay.RESUME:
         return ()
     top = n_tokens - max(sizes.prefill_lookahead, 1)

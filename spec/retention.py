@@ -430,9 +430,10 @@ def retained_stops(sizes: Sizes, n_tokens, boundaries, start, junction, rules: R
     ``_mamba_block_aligned_split``'s ``stops``): each replay boundary, the junction and its
     :func:`coarse_junctions` floored to the alignment, within ``(start, N - max(Lp, 1)]`` (no chunk may
     end within the prefill lookahead of the prompt end, ``_reserve_prefill_lookahead``) and some Mamba
-    group's cached tokens at the prompt end (its cacheable tokens within the hashes). The scheduler also stops at every multiple of the retention interval
-    (of ``max(A, b)`` when dense) there: those are the Mamba groups' periodic states (:func:`mamba_held`),
-    not listed. :data:`NO_STOP` for an absent one; none under another ``replay`` rule."""
+    group's cached tokens at the prompt end (its cacheable tokens within the hashes). The scheduler also
+    stops at every multiple of the retention interval (of ``max(A, b)`` when dense) there: those are the
+    Mamba groups' periodic states (:func:`mamba_held`), not listed. :data:`NO_STOP` for an absent one;
+    none under another ``replay`` rule."""
     if rules.replay != Replay.RESUME:
         return ()
     top = n_tokens - max(sizes.prefill_lookahead, 1)
