@@ -6,7 +6,7 @@ the reference lost a hit that vLLM's own write side keeps (the two known-bad var
 
 The default ``make prove`` checks the write side at DCP 1 only (README, "Not proved"); this file checks
 ``reference_never_below_vllm`` whole on the two configurations where the variants fail it, for every stream,
-and replays their counterexamples through refimpl."""
+and evaluates it on the witness streams through refimpl."""
 
 import pytest
 
@@ -18,13 +18,15 @@ from kvhit.proofs.model import ReplayContext
 CLAIM = runner.BY_NAME["reference_never_below_vllm"]
 NONE_R0 = "qwen3next dcp2 none R=0"
 MTP2_R0 = "qwen3next dcp2 lookahead Lp=2 mtp2 R=0"
-# configuration -> (the known-bad variant that fails the claim there, a stream where it does:
-# (N, N2, P2, N3, P3, the third follows the second))
+# configuration -> (the known-bad variant that fails the claim there, a stream where it does, as the claim's
+# symbols: proofs.retention._Stream)
 WITNESSES = {
     # a prompt, its first 6400 tokens, then a prompt sharing 3200: vLLM's junction lands on 3200
-    NONE_R0: ("fine_junction_only", (16002, 6400, 6400, 9599, 3200, False)),
+    NONE_R0: ("fine_junction_only",
+              {"N": 16002, "N2": 6400, "P2": 6400, "N3": 9599, "P3": 3200, "follows_second": False}),
     # 6401 tokens, a longer prompt sharing them, then one following that one: vLLM's checkpoint is 4800
-    MTP2_R0: ("without_vllm_checkpoint", (6401, 11201, 6401, 9601, 9601, True)),
+    MTP2_R0: ("without_vllm_checkpoint",
+              {"N": 6401, "N2": 11201, "P2": 6401, "N3": 9601, "P3": 9601, "follows_second": True}),
 }
 
 
@@ -33,29 +35,22 @@ def _config(label):
     return config
 
 
-def _stream_hits(config, policy, stream):
-    """``(hit2, hit3)`` of a stream of three requests (``proofs.retention._Stream``'s, concrete), each
-    request's write side under ``policy``."""
-    n, n2, p2, n3, p3, follows = stream
-    rules = R.ALL_POLICIES[policy]
-    sizes = ReplayContext(config, rules, {"N": n}, None).sizes()
-    c1, c2 = (min(p3, p2), p3) if follows else (p3, min(p3, p2))
-    first = R.request_writes(sizes, n, config.retention, rules)
-    hit2, _, _, _, second = R.serve(sizes, n2, config.retention, rules,
-                                    R.written_cache(tuple(R.clip(sizes, g, p2) for g in first)))
-    third = R.written_cache(tuple((R.clip(sizes, a, c1), R.clip(sizes, b, c2)) for a, b in zip(first, second)))
-    return hit2, R.hit_tokens(third, sizes, n3, rules)[0]
+def _claim_on(config, policy, stream):
+    """The claim evaluated on one concrete stream through refimpl: ``(assumption, holds, shown)``."""
+    ctx = ReplayContext(config, R.ALL_POLICIES[policy], dict(stream), None)
+    assumption, holds = CLAIM.claim(ctx)
+    return assumption, holds, ctx.shown
 
 
 @pytest.mark.parametrize("label", WITNESSES)
 def test_the_streams_where_a_variant_loses_a_hit_replay_through_refimpl(label):
-    """On each witness stream vLLM's third request hits more than the known-bad variant's, and the
-    reference's at least as much as vLLM's."""
+    """On each witness stream the known-bad variant's third request hits less than vLLM's, and the
+    reference's hits are at least vLLM's."""
     config, (bad, stream) = _config(label), WITNESSES[label]
-    vllm = _stream_hits(config, "vllm_0_33", stream)
-    assert _stream_hits(config, bad, stream)[1] < vllm[1]
-    ours = _stream_hits(config, "reference", stream)
-    assert ours[0] >= vllm[0] and ours[1] >= vllm[1], (ours, vllm)
+    assumption, holds, shown = _claim_on(config, bad, stream)
+    assert assumption and not holds and shown["hits"][1] < shown["vllm_0_33_hits"][1], shown
+    assumption, holds, shown = _claim_on(config, "reference", stream)
+    assert assumption and holds, shown
 
 
 @pytest.mark.parametrize("label", WITNESSES)
