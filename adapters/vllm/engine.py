@@ -1214,11 +1214,16 @@ def _unreadable_config(error: Exception) -> str:
 # first child that loads anything, NixlConnector's decode side loads nothing under a recompute threshold, so
 # a longer local hit can end with less, and a connector kvhit has not read may do anything.
 CHECKED_CONNECTORS = frozenset({"ExampleConnector", "DecodeBenchConnector", "SimpleCPUOffloadConnector"})
+# Checked connectors that start every request at N - 1 whatever its local hit (DecodeBenchConnector fills all
+# but the last token with dummy values at a request's first scheduling): where a request starts does not
+# depend on the pool, so they are enforced beside any group (:func:`connector_reason`).
+FILLING_CONNECTORS = frozenset({"DecodeBenchConnector"})
 
 
 def connector_reason(model: CoordinatorModel, connector: str) -> str | None:
     """Why a KV connector (``SchedulerFacts.connector``) leaves ``model``'s layout to vLLM, or None: a
-    connector of :data:`CHECKED_CONNECTORS` where every group is full attention looked up at its block.
+    connector of :data:`CHECKED_CONNECTORS` where every group is full attention looked up at its block, or
+    one of :data:`FILLING_CONNECTORS` beside any group.
 
     vLLM's scheduler hands the connector the local hit (the reference's, under enforce: at least stock's
     on the same cache) and starts the request at the local hit plus the tokens the connector loads past
@@ -1228,12 +1233,16 @@ def connector_reason(model: CoordinatorModel, connector: str) -> str | None:
     blocks, as without a connector (full attention alone is always looked up at its block: partial hits
     need a Mamba group). Beside a sliding-window, chunked-local or Mamba group, where the request starts
     decides which window blocks and Mamba states it leaves, while the spec's write side starts every
-    request at its local hit: the spec models no connector there, and the layout is left to vLLM."""
+    request at its local hit: the spec models no connector there, and the layout is left to vLLM. Except
+    where the connector starts every request at ``N - 1`` whatever its local hit: there no policy decides
+    where a request starts, the reference's local hit asks the pool for each state it relies on as ever,
+    and the write side keeps, of the blocks vLLM computed or the connector filled, those at the reference's
+    boundaries (it names positions; it creates no state)."""
     if connector not in CHECKED_CONNECTORS:
         return (f"the scheduler has a KV connector ({connector}) kvhit has not checked: a longer local hit "
                 "may make it load less, and the total less than stock's")
     lagging = sorted({g.kind.prose for g in model.sizes.groups if g.kind is not Kind.FULL})
-    if not lagging:
+    if not lagging or connector in FILLING_CONNECTORS:
         return None
     kinds = f"a {lagging[0]} group" if len(lagging) == 1 else f"{' and '.join(lagging)} groups"
     return (f"the scheduler has a KV connector ({connector}) beside {kinds}, where the tokens it loads decide "

@@ -17,7 +17,8 @@ Seams (each restored by :func:`kvhit.adapters.vllm.uninstall`):
   are KV connectors' own copies of the policy and stay stock. A layout is taken whole or not at all: one
   whose write side the spec does not model is left to vLLM entirely, reported once as unmodelled.
 * ``Scheduler.__init__``: tells the coordinator it builds whether the scheduler has a KV connector
-  (enforced where every group is full attention read at its block, :func:`engine.connector_reason`) or
+  (enforced where every group is full attention read at its block, or where it starts every request at
+  ``N - 1``: :func:`engine.connector_reason`) or
   auxiliary outputs (lookups capped below ``N - 1``: enforced where the cap never binds,
   :func:`engine.aux_cap_reason`); elsewhere the whole layout is left to vLLM (:func:`scheduler_facts`).
 * ``UnitaryKVCacheCoordinator.find_longest_cache_hit`` and ``HybridKVCacheCoordinator.find_longest_cache_hit``:

@@ -5,8 +5,10 @@ vLLM's scheduler asks the connector how many tokens it loads past the local hit 
 their sum. kvhit owns the local hit (``engine.connector_reason``): with a connector of
 ``engine.CHECKED_CONNECTORS`` (the sum never shrinks when the local hit grows) on a layout of full attention
 looked up at its block (whose write side caches every block a request has, wherever it started), enforce
-answers the lookup with the reference and leaves the rest to vLLM. A connector kvhit has not checked, or one
-beside a sliding-window, chunked-local or Mamba group, leaves the layout to vLLM, read side and write side.
+answers the lookup with the reference and leaves the rest to vLLM. DecodeBenchConnector, which starts every
+request at ``N - 1`` whatever its local hit, is enforced beside any group. A connector kvhit has not checked,
+or another one beside a sliding-window, chunked-local or Mamba group, leaves the layout to vLLM, read side
+and write side.
 
 The scenarios (``tests/adapter/scheduler_run.py``, ``CONNECTORS``) serve a block-aligned prompt of 1024 tokens
 three times on a Llama + EAGLE draft in drop mode (full attention, block 16: F2, where stock vLLM's local hit
@@ -33,9 +35,14 @@ EAGLE_LAYOUT = R.Layout((R.Group("full", 16, eagle=True),))
 DROP = R.Speculation("drop", 1)
 ENFORCED = ["connector-example-eagle-drop", "connector-example-loads-eagle-drop", "connector-bench-eagle-drop",
             "connector-cpu-eagle-drop"]
+# DecodeBenchConnector beside a sliding-window or Mamba group (engine.FILLING_CONNECTORS): enforced, every request
+# starting at N - 1. Scenario -> the layout the scheduler resolves, declared here (the status file must agree).
+FILLED = {
+    "connector-bench-swa-sibling": R.Layout((R.Group("full", 16), R.Group("swa", 16, window=64))),
+    "connector-bench-shared-mamba-r0": R.Layout((R.Group("full", 1600),) + (R.Group("mamba", 1600),) * 3),
+}
 # scenario -> what the unmodelled reason names
-STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding window group",
-         "connector-bench-swa-sibling": "a sliding window group", "connector-bench-shared-mamba-r0": "a Mamba group"}
+STOCK = {"connector-module-eagle-drop": "has not checked", "connector-cpu-swa-sibling": "a sliding window group"}
 # (off patches nothing, with a connector or without: tests/adapter/test_scheduler_plugin.py checks it)
 MODES = ("stock", "shadow", "enforce")
 
@@ -51,8 +58,9 @@ def _served(runs, mode, scenario):
 
 
 def test_the_scenarios_are_the_ones_declared_here():
-    assert sorted(CONNECTORS) == sorted(ENFORCED + list(STOCK))
+    assert sorted(CONNECTORS) == sorted(ENFORCED + list(FILLED) + list(STOCK))
     assert {CONNECTORS[s][0] for s in ENFORCED} == engine.CHECKED_CONNECTORS
+    assert {CONNECTORS[s][0] for s in FILLED} == engine.FILLING_CONNECTORS
 
 
 @pytest.mark.parametrize("scenario", ENFORCED)
@@ -122,17 +130,44 @@ def test_without_the_connector_enforce_changes_the_sliding_window_layouts_hit(ru
     assert child_runs.served_hits(runs["enforce"], "connector-cpu-swa-sibling") == stock
 
 
-@pytest.mark.parametrize("scenario", ["connector-bench-swa-sibling", "connector-bench-shared-mamba-r0"])
-def test_decode_bench_beside_a_sliding_window_or_mamba_group_starts_every_request_at_n_minus_1(runs, scenario):
-    """DecodeBenchConnector, the one connector whose worker runs on these machines beside such a group: it
-    fills all but the last token of every request on its first scheduling, so every request starts at
-    ``N - 1`` in every mode, and the pool serves no local hit (the sliding-window group keeps only whole
-    blocks of the window at ``N - 1``, the Mamba groups no state at a block end). There is no hit for a
-    policy to decide; the layout is left to vLLM like any connector beside such a group."""
-    for mode in MODES:
-        for served in _served(runs, mode, scenario):
-            assert (served["num_local_cached_tokens"], served["num_cached_tokens"]) == (0, served["prompt_len"] - 1), \
-                (mode, served)
+def _local_hit(layout, served, policy):
+    """``refimpl``'s hit under ``policy`` on the cache the pool held for the request (per spec group, the
+    boundaries every one of its KV-cache groups held)."""
+    sizes = R.derive_sizes(layout, R.Speculation("none"))
+    cache = [set.intersection(*(set(served["retained"][m]) for m in sg.members)) for sg in sizes.groups]
+    return R.hit(layout, R.Speculation("none"), served["prompt_len"], cache, policy)
+
+
+@pytest.mark.parametrize("scenario", list(FILLED))
+def test_decode_bench_beside_a_sliding_window_or_mamba_group_is_enforced_and_starts_every_request_at_n_minus_1(
+        runs, scenario):
+    """DecodeBenchConnector, the one connector whose worker runs on these machines beside such a group, fills
+    all but the last token of every request on its first scheduling: every request starts at ``N - 1`` in
+    every mode, whatever the local hit, so no policy decides where a request starts. Enforce owns the layout
+    whole: each local hit is the reference's on the cache the pool held (every state it relies on is there),
+    stock's is ``vllm_0_33``'s on its own, and the status file reports the declared layout modelled."""
+    layout = FILLED[scenario]
+    for mode, policy in (("stock", "vllm_0_33"), ("shadow", "vllm_0_33"), ("enforce", "reference")):
+        for i, served in enumerate(_served(runs, mode, scenario)):
+            assert served["num_cached_tokens"] == served["prompt_len"] - 1, (mode, i, served)
+            assert served["num_local_cached_tokens"] == _local_hit(layout, served, policy), (mode, i, served)
+    status = runs["enforce"]["scenarios"][scenario]["kvhit_status"]
+    assert (status["mode"], status["modelled"]) == ("enforce", True), status
+    assert R.Layout(tuple(R.Group(**g) for g in status["layout"]["groups"]), **{
+        k: v for k, v in status["layout"].items() if k != "groups"}) == layout, status
+
+
+def test_enforce_under_decode_bench_keeps_the_window_block_stock_drops(runs):
+    """The comparison above can fail: on the sliding-window sibling stream enforce keeps the window's last
+    block, which stock vLLM does not cache (W2), so its longer siblings find 1024 tokens locally where
+    stock's find none; the connector fills the rest, and both start at ``N - 1``. On the Mamba stream
+    enforce keeps the state at the end of the first prompt, which serves no request of the stream."""
+    local = {mode: [s["num_local_cached_tokens"] for s in _served(runs, mode, "connector-bench-swa-sibling")]
+             for mode in ("stock", "enforce")}
+    assert local == {"stock": [0, 0, 0, 0], "enforce": [0, 1024, 0, 1024]}, local
+    last = {mode: _served(runs, mode, "connector-bench-shared-mamba-r0")[-1]["retained"]
+            for mode in ("stock", "enforce")}
+    assert last["stock"][1:] == [[], [], []] and last["enforce"][1:] == [[8000]] * 3, last
 
 
 @pytest.mark.parametrize("scenario", [*CONNECTORS, "swa-sibling"])

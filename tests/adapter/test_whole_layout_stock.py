@@ -272,13 +272,16 @@ def test_what_a_schedulers_config_says_leaves_the_layout_to_decide_but_unreadabl
     ("llama_eagle", "ExampleConnector", None), ("full16", "SimpleCPUOffloadConnector", None),
     ("llama_eagle", "OffloadingConnector", "has not checked"),
     ("llama_eagle", "ExampleConnector from my.connectors", "has not checked"),
-    ("gemma", "ExampleConnector", "a sliding window group"), ("qwen3next", "DecodeBenchConnector", "a Mamba group"),
+    ("gemma", "ExampleConnector", "a sliding window group"),
+    ("qwen3next", "SimpleCPUOffloadConnector", "a Mamba group"),
+    ("qwen3next", "DecodeBenchConnector", None), ("three_kind", "DecodeBenchConnector", None),
     ("three_kind", "SimpleCPUOffloadConnector", "Mamba and sliding window groups"),
     ("chunked64", "ExampleConnector", "a chunked local group"), ("qwen3next_pmu160", "ExampleConnector", "Mamba")])
 def test_a_connector_leaves_the_layout_to_vllm_unless_checked_and_beside_full_attention_alone(name, connector,
                                                                                                names):
     """:func:`engine.connector_reason` on catalogue layouts: None (enforced) only for a checked connector on
-    full attention read at its block; else the reason names what it lacks."""
+    full attention read at its block, or DecodeBenchConnector (every request starts at ``N - 1``) beside
+    anything; else the reason names what it lacks."""
     layout = refimpl_layout(name)
     spec = speculation("drop") if name != "chunked64" else speculation("none")
     model = types.SimpleNamespace(sizes=R.derive_sizes(layout, spec))
