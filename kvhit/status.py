@@ -48,8 +48,8 @@ MODE_MEANING = {
     "enforce": "the scheduler's prefix-cache hit length is kvhit's reference hit; vLLM provides the blocks",
 }
 ALWAYS_STOCK = ("any layout kvhit cannot enforce whole (a write side the spec does not model, a KV connector "
-                "unchecked or beside a sliding window, chunked local attention or Mamba, auxiliary outputs whose "
-                "cap can bind): wholly, reported as not modelled")
+                "unchecked or beside a sliding window, chunked local attention or Mamba, auxiliary outputs that "
+                "cap at another kind's blocks): wholly, reported as not modelled")
 NOT_COUNTED = "not counted (start vllm serve with KVHIT_COUNT_GAINS=1 to count them in enforce)"
 NO_COUNTERS = ("no kvhit counters on /metrics: kvhit is off there, or vllm serve was started without "
                "PROMETHEUS_MULTIPROC_DIR (the counters live in the engine-core process)")

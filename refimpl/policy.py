@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: 36090ecfa234ab1f3e634094aa127470bd3d13b642157acb0c18628da4d08dfa
-output-sha256: 092cf7a32f526447613d7129a0eec807f99dd63552c002a72a55b0d0944a6483
+spec-sha256: f766f3666a58266d2d304ee6bff514796777df228f07e06ae6a1761a432ef2ab
+output-sha256: 25da909b85ff3ad9c23810ed9255db3ffc77b31802d77d981ada9853c316e691
 """
 
 import itertools
@@ -692,6 +692,9 @@ class Rules:
             rule the reference keeps 4800 and 6400 and hits 0; :func:`kvhit.spec.retention.coarse_junctions`).
         vllm_checkpoint: the write side also keeps state at vLLM's Mamba prompt checkpoint, one more replay
             boundary (:func:`kvhit.spec.retention.replay_boundaries`).
+        checkpoint_tail_when_capped: where lookups are capped (auxiliary outputs) and a Mamba group is read
+            at hash granularity, the prompt's one Mamba partial tail is vLLM's prompt checkpoint, not the
+            resend's capped resume point (:func:`kvhit.spec.retention.resume_tail`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -720,11 +723,12 @@ class Rules:
     junction_below: bool = True
     coarse_junction: bool = False
     vllm_checkpoint: bool = False
+    checkpoint_tail_when_capped: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, 'replay', Replay(self.replay))
         object.__setattr__(self, 'junction', Junction(self.junction))
-REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME, coarse_junction=True, vllm_checkpoint=True)
+REFERENCE = Rules('reference', declarative=True, replay=Replay.RESUME, coarse_junction=True, vllm_checkpoint=True, checkpoint_tail_when_capped=True)
 VLLM_0_33 = Rules('vllm_0_33')
 VLLM_0_32 = Rules('vllm_0_32', lookahead_hashes=False, junction_below=False)
 HISTORICAL = Rules('historical', eagle_margin=False, replay=Replay.PROMPT_END, checkpoint_drop=False)
@@ -740,6 +744,7 @@ JUNCTION_PAST_HIT = replace(HISTORICAL, name='junction_past_hit', junction=Junct
 WITHOUT_JUNCTION = replace(REFERENCE, name='without_junction', record_junction=False)
 FINE_JUNCTION_ONLY = replace(REFERENCE, name='fine_junction_only', coarse_junction=False)
 WITHOUT_VLLM_CHECKPOINT = replace(REFERENCE, name='without_vllm_checkpoint', vllm_checkpoint=False)
+TAIL_AT_CAPPED_RESUME = replace(REFERENCE, name='tail_at_capped_resume', checkpoint_tail_when_capped=False)
 
 @dataclass(frozen=True)
 class Repair:
@@ -769,7 +774,7 @@ def repaired(names, base: Rules=VLLM_0_33, name: str | None=None) -> Rules:
     return replace(rules, name=name or '+'.join((base.name,) + tuple(names)))
 VLLM_0_33_REPAIRED = repaired(tuple(REPAIRS), name='vllm_0_33_repaired')
 POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPAIRED)}
-KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION, FINE_JUNCTION_ONLY, WITHOUT_VLLM_CHECKPOINT)}
+KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES, PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END, RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION, FINE_JUNCTION_ONLY, WITHOUT_VLLM_CHECKPOINT, TAIL_AT_CAPPED_RESUME)}
 RELEASES = {r.name: r for r in (VLLM_0_32,)}
 ALL_POLICIES = {**POLICIES, **KNOWN_BAD, **RELEASES}
 
@@ -1595,6 +1600,7 @@ def mamba_at_hash_granularity(sizes: Sizes) -> bool:
     return any((sg.kind is Kind.MAMBA and sg.fine for sg in sizes.groups))
 ONLY_MAMBA_DROPS = 'EAGLE drop mode in which only Mamba groups drop'
 FINE_MAMBA_MTP_DROP = 'a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP'
+CAPPED_FINE_MAMBA_MTP_DROP = 'lookups capped by auxiliary outputs beside a Mamba group read at hash granularity, in EAGLE drop mode with multi-module MTP'
 
 def write_side_unmodelled(sizes: Sizes) -> str:
     """Why the reference's write side is not modelled on this layout and speculative setting, or ``""``
@@ -1609,9 +1615,20 @@ def write_side_unmodelled(sizes: Sizes) -> str:
       ``N = 4800``: the first repeat and a longer sibling hit 1600 where every state retained gives 3040).
     - :data:`ONLY_MAMBA_DROPS`: drop mode in which every dropping group is a Mamba group. The reference's
       Mamba lookups never drop, and ``reference_never_below_vllm`` is refuted there (``mamba16``, ``R = 0``).
+    - :data:`CAPPED_FINE_MAMBA_MTP_DROP`: lookups capped at full attention's leading whole blocks (auxiliary
+      outputs) beside a Mamba group read at hash granularity, with multi-module MTP in drop mode. A resend's
+      capped resume point then lies inside a Mamba block, a block below vLLM's prompt checkpoint, and a
+      request keeps one partial tail: at the resume point, a prompt that later shares more of it finds
+      vLLM's tail where the reference kept none (``reference_never_below_vllm`` refuted: 11200 tokens, a
+      prompt of 1920 sharing 1761, then one of 6399 sharing 4799 with the first hit 1600 where vLLM hits
+      1760); at vLLM's checkpoint, the first repeat misses the resume point
+      (``scheduler_and_mask_boundaries_agree`` refuted: ``N = 3840``, 1600 where every state retained gives
+      3040). :func:`resume_tail` keeps the first.
     """
     if sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes) and any((sg.kind is Kind.MAMBA and sg.drops for sg in sizes.groups)):
         return f"{FINE_MAMBA_MTP_DROP}: its caching calls end Lp - 1 tokens before the chunk, so no partial tail is kept at the resend's resume point (scheduler_and_mask_boundaries_agree fails on concrete prompts, e.g. qwen3next_pmu160 with no group flagged EAGLE, dense retention, N = 478: the first repeat hits 0, a cache holding every state 160)"
+    if sizes.drop and sizes.prefill_lookahead >= 2 and (sizes.cap_group is not None) and mamba_at_hash_granularity(sizes):
+        return f"{CAPPED_FINE_MAMBA_MTP_DROP}: a resend's capped resume point lies inside a Mamba block below vLLM's prompt checkpoint, and a request keeps one partial tail, so the reference's write side either misses the first repeat or gives less than vLLM's (reference_never_below_vllm fails on concrete prompts: 11200 tokens, a prompt of 1920 sharing 1761, then one of 6399 sharing 4799 with the first hit 1600 where vLLM hits 1760)"
     dropping = [sg.kind for sg in sizes.groups if sg.drops]
     if dropping and all((kind is Kind.MAMBA for kind in dropping)):
         return f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is not proved never below vLLM's there (kvhit prove --extended refutes reference_never_below_vllm on one Mamba group in drop mode)"
@@ -1628,7 +1645,7 @@ def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
         return max(sizes.alignment, block)
     return 0
 
-def resume_tail(sizes: Sizes, boundaries):
+def resume_tail(sizes: Sizes, n_tokens, boundaries, rules: Rules):
     """Where the reference keeps the prompt's Mamba checkpoint, its one partial tail (``boundaries``:
     :func:`replay_boundaries` under ``Replay.RESUME``, the :func:`resume_points` first): where a resend
     resumes right after the prefill; where it resumes after decoding, when that one is nowhere (multi-module
@@ -1636,10 +1653,24 @@ def resume_tail(sizes: Sizes, boundaries):
     the second, a prompt of at most one full-attention block kept no tail where vLLM keeps its checkpoint,
     and a later prompt that shares the tail and a longer prefix with another hit less than under vLLM
     (Qwen3.5's layout at 160-token hash units, MTP 2, drop: prompts of 320, a 4162-token sibling, then one
-    sharing 3157 of it: 0 where vLLM hits 160)."""
+    sharing 3157 of it: 0 where vLLM hits 160).
+
+    With ``rules.checkpoint_tail_when_capped``, where lookups are capped (auxiliary outputs) and a Mamba group
+    is read at hash granularity, the resend's resume point only where it lies inside a Mamba block (a state
+    there is a tail or nothing); where it is a block end (held as a block state) or 0, vLLM's prompt
+    checkpoint, where vLLM keeps its tail. A resend is capped at the prompt's leading whole blocks, so a short
+    prompt's resume point is 0, and a later prompt that shares more of it, once another request's blocks
+    raise its cap, found vLLM's tail where the reference kept none (a prompt of 2080 tokens, its first 801,
+    then its first 1600: vLLM hits 800, the reference without the rule 0)."""
     if resumes_after_decoding(sizes):
-        return boundaries[0] if boundaries[0] > 0 else boundaries[3]
-    return boundaries[0]
+        resend = boundaries[0] if boundaries[0] > 0 else boundaries[3]
+    else:
+        resend = boundaries[0]
+    if not (rules.checkpoint_tail_when_capped and sizes.cap_group is not None and mamba_at_hash_granularity(sizes)):
+        return resend
+    block = min((sg.block for sg in sizes.groups if sg.kind is Kind.MAMBA and sg.fine))
+    vllm_tail = checkpoint_position(n_tokens, sizes.hash_block, sizes.drop and rules.checkpoint_drop, sizes.hash_lookahead)
+    return vllm_tail if eq_zero_mod(resend, block) else resend
 
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
     """The Mamba states a request leaves: vLLM's bookkeeping, one state per Mamba block slot and one partial
@@ -1683,7 +1714,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
         points.append(e if ok else NO_STATE)
     drop = sizes.drop and rules.checkpoint_drop
     if resume:
-        tail = resume_tail(sizes, boundaries)
+        tail = resume_tail(sizes, n_tokens, boundaries, rules)
     else:
         tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
     is_end = False

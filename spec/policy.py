@@ -112,6 +112,9 @@ class Rules:
             rule the reference keeps 4800 and 6400 and hits 0; :func:`kvhit.spec.retention.coarse_junctions`).
         vllm_checkpoint: the write side also keeps state at vLLM's Mamba prompt checkpoint, one more replay
             boundary (:func:`kvhit.spec.retention.replay_boundaries`).
+        checkpoint_tail_when_capped: where lookups are capped (auxiliary outputs) and a Mamba group is read
+            at hash granularity, the prompt's one Mamba partial tail is vLLM's prompt checkpoint, not the
+            resend's capped resume point (:func:`kvhit.spec.retention.resume_tail`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule
@@ -141,13 +144,15 @@ class Rules:
     junction_below: bool = True
     coarse_junction: bool = False
     vllm_checkpoint: bool = False
+    checkpoint_tail_when_capped: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "replay", Replay(self.replay))
         object.__setattr__(self, "junction", Junction(self.junction))
 
 
-REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME, coarse_junction=True, vllm_checkpoint=True)
+REFERENCE = Rules("reference", declarative=True, replay=Replay.RESUME, coarse_junction=True, vllm_checkpoint=True,
+                  checkpoint_tail_when_capped=True)
 VLLM_0_33 = Rules("vllm_0_33")
 # vLLM 0.32.0: 0.33's read side (the same coordinators, loop, finders and alignment), without lookahead block
 # hashes and without the junction's lower boundary on the write side (docs/notes/vllm-0.32-policy.md, D1, D3).
@@ -173,6 +178,10 @@ FINE_JUNCTION_ONLY = replace(REFERENCE, name="fine_junction_only", coarse_juncti
 # ... and before it also kept vLLM's Mamba prompt checkpoint: at DCP > 1 a resend resumes a full-attention
 # block below it, and a prompt that later shares more found vLLM's state there (qwen3next, DCP 2, MTP 2).
 WITHOUT_VLLM_CHECKPOINT = replace(REFERENCE, name="without_vllm_checkpoint", vllm_checkpoint=False)
+# ... and where auxiliary outputs cap lookups at a group read at hash granularity, before it kept its Mamba tail
+# where vLLM keeps its checkpoint: it kept it at the resend's capped resume point, and a prompt sharing a longer
+# prefix (whose cap another request's blocks raised) found vLLM's state where the reference kept none.
+TAIL_AT_CAPPED_RESUME = replace(REFERENCE, name="tail_at_capped_resume", checkpoint_tail_when_capped=False)
 
 
 
@@ -224,7 +233,7 @@ POLICIES = {r.name: r for r in (REFERENCE, VLLM_0_33, HISTORICAL, VLLM_0_33_REPA
 KNOWN_BAD = {r.name: r for r in (HISTORICAL_REPEAT_DROP, NO_LAST_TOKEN_CAP, EAGLE_NEVER_RECOMPUTES,
                                  PEEK_WITHOUT_POP, PEEK_PAST_HASHES, DCP_SCALES_REPLICATED, RETAIN_PROMPT_END,
                                  RETAIN_EVERY_BOUNDARY, JUNCTION_PAST_HIT, WITHOUT_JUNCTION,
-                                 FINE_JUNCTION_ONLY, WITHOUT_VLLM_CHECKPOINT)}
+                                 FINE_JUNCTION_ONLY, WITHOUT_VLLM_CHECKPOINT, TAIL_AT_CAPPED_RESUME)}
 # Policies of other vLLM releases: named and replayable (``policy_rules``); ``make prove`` checks every claim
 # about every policy for them on the settings their engine has (``kvhit.proofs.model.accepts``).
 RELEASES = {r.name: r for r in (VLLM_0_32,)}

@@ -483,6 +483,8 @@ def mamba_at_hash_granularity(sizes: Sizes) -> bool:
 # not model, each named once (the adapter's log line and status file start with it).
 ONLY_MAMBA_DROPS = "EAGLE drop mode in which only Mamba groups drop"
 FINE_MAMBA_MTP_DROP = "a Mamba group read at hash granularity that drops, in EAGLE drop mode with multi-module MTP"
+CAPPED_FINE_MAMBA_MTP_DROP = ("lookups capped by auxiliary outputs beside a Mamba group read at hash granularity, in "
+                              "EAGLE drop mode with multi-module MTP")
 
 
 def write_side_unmodelled(sizes: Sizes) -> str:
@@ -498,6 +500,15 @@ def write_side_unmodelled(sizes: Sizes) -> str:
       ``N = 4800``: the first repeat and a longer sibling hit 1600 where every state retained gives 3040).
     - :data:`ONLY_MAMBA_DROPS`: drop mode in which every dropping group is a Mamba group. The reference's
       Mamba lookups never drop, and ``reference_never_below_vllm`` is refuted there (``mamba16``, ``R = 0``).
+    - :data:`CAPPED_FINE_MAMBA_MTP_DROP`: lookups capped at full attention's leading whole blocks (auxiliary
+      outputs) beside a Mamba group read at hash granularity, with multi-module MTP in drop mode. A resend's
+      capped resume point then lies inside a Mamba block, a block below vLLM's prompt checkpoint, and a
+      request keeps one partial tail: at the resume point, a prompt that later shares more of it finds
+      vLLM's tail where the reference kept none (``reference_never_below_vllm`` refuted: 11200 tokens, a
+      prompt of 1920 sharing 1761, then one of 6399 sharing 4799 with the first hit 1600 where vLLM hits
+      1760); at vLLM's checkpoint, the first repeat misses the resume point
+      (``scheduler_and_mask_boundaries_agree`` refuted: ``N = 3840``, 1600 where every state retained gives
+      3040). :func:`resume_tail` keeps the first.
     """
     if (sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes)
             and any(sg.kind is Kind.MAMBA and sg.drops for sg in sizes.groups)):
@@ -505,6 +516,12 @@ def write_side_unmodelled(sizes: Sizes) -> str:
                 "tail is kept at the resend's resume point (scheduler_and_mask_boundaries_agree fails on "
                 "concrete prompts, e.g. qwen3next_pmu160 with no group flagged EAGLE, dense retention, "
                 "N = 478: the first repeat hits 0, a cache holding every state 160)")
+    if sizes.drop and sizes.prefill_lookahead >= 2 and sizes.cap_group is not None and mamba_at_hash_granularity(sizes):
+        return (f"{CAPPED_FINE_MAMBA_MTP_DROP}: a resend's capped resume point lies inside a Mamba block below "
+                "vLLM's prompt checkpoint, and a request keeps one partial tail, so the reference's write side "
+                "either misses the first repeat or gives less than vLLM's (reference_never_below_vllm fails on "
+                "concrete prompts: 11200 tokens, a prompt of 1920 sharing 1761, then one of 6399 sharing 4799 "
+                "with the first hit 1600 where vLLM hits 1760)")
     dropping = [sg.kind for sg in sizes.groups if sg.drops]
     if dropping and all(kind is Kind.MAMBA for kind in dropping):
         return (f"{ONLY_MAMBA_DROPS}: the reference's Mamba lookups never drop, and its write side is not proved "
@@ -525,7 +542,7 @@ def resume_period(sizes: Sizes, block: int, interval, rules: Rules) -> int:
     return 0
 
 
-def resume_tail(sizes: Sizes, boundaries):
+def resume_tail(sizes: Sizes, n_tokens, boundaries, rules: Rules):
     """Where the reference keeps the prompt's Mamba checkpoint, its one partial tail (``boundaries``:
     :func:`replay_boundaries` under ``Replay.RESUME``, the :func:`resume_points` first): where a resend
     resumes right after the prefill; where it resumes after decoding, when that one is nowhere (multi-module
@@ -533,10 +550,25 @@ def resume_tail(sizes: Sizes, boundaries):
     the second, a prompt of at most one full-attention block kept no tail where vLLM keeps its checkpoint,
     and a later prompt that shares the tail and a longer prefix with another hit less than under vLLM
     (Qwen3.5's layout at 160-token hash units, MTP 2, drop: prompts of 320, a 4162-token sibling, then one
-    sharing 3157 of it: 0 where vLLM hits 160)."""
+    sharing 3157 of it: 0 where vLLM hits 160).
+
+    With ``rules.checkpoint_tail_when_capped``, where lookups are capped (auxiliary outputs) and a Mamba group
+    is read at hash granularity, the resend's resume point only where it lies inside a Mamba block (a state
+    there is a tail or nothing); where it is a block end (held as a block state) or 0, vLLM's prompt
+    checkpoint, where vLLM keeps its tail. A resend is capped at the prompt's leading whole blocks, so a short
+    prompt's resume point is 0, and a later prompt that shares more of it, once another request's blocks
+    raise its cap, found vLLM's tail where the reference kept none (a prompt of 2080 tokens, its first 801,
+    then its first 1600: vLLM hits 800, the reference without the rule 0)."""
     if resumes_after_decoding(sizes):
-        return ite(boundaries[0] > 0, boundaries[0], boundaries[3])
-    return boundaries[0]
+        resend = ite(boundaries[0] > 0, boundaries[0], boundaries[3])
+    else:
+        resend = boundaries[0]
+    if not (rules.checkpoint_tail_when_capped and sizes.cap_group is not None and mamba_at_hash_granularity(sizes)):
+        return resend
+    block = min(sg.block for sg in sizes.groups if sg.kind is Kind.MAMBA and sg.fine)
+    vllm_tail = checkpoint_position(n_tokens, sizes.hash_block, sizes.drop and rules.checkpoint_drop,
+                                    sizes.hash_lookahead)
+    return ite(eq_zero_mod(resend, block), vllm_tail, resend)
 
 
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
@@ -584,7 +616,7 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
         points.append(ite(ok, e, NO_STATE))
     drop = sizes.drop and rules.checkpoint_drop
     if resume:
-        tail = resume_tail(sizes, boundaries)
+        tail = resume_tail(sizes, n_tokens, boundaries, rules)
     else:
         tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
     is_end = False

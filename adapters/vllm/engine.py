@@ -251,7 +251,7 @@ class WriteModel:
     def resend_boundary(self, n_tokens: int) -> int:
         """The reference's Mamba prompt checkpoint (``refimpl.resume_tail``): where a resend of the prompt
         resumes, after its prefill or, if nowhere then, after decoding."""
-        resend = resume_tail(self.sizes, self.resume_points(n_tokens))
+        resend = resume_tail(self.sizes, n_tokens, self.resume_points(n_tokens), REFERENCE)
         return resend // self.sizes.alignment * self.sizes.alignment
 
     def junctions(self, junction: int) -> tuple[int, ...]:
@@ -1097,7 +1097,8 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
         kvhit takes a layout whole or not at all: a layout whose write side the spec does not model
         (``CoordinatorModel.write_note``), or one built by a scheduler whose config leaves it to vLLM (a KV
         connector kvhit has not checked or one beside a group that is not full attention, auxiliary outputs
-        whose cap can bind: :func:`scheduler_init_seam`, :func:`connector_reason`, :func:`aux_cap_reason`),
+        capping at another kind's blocks: :func:`scheduler_init_seam`, :func:`connector_reason`,
+        :func:`aux_cap_reason`; a write side the spec does not model under their cap),
         is left to vLLM in every mode, read side and write side, and reported as an unmodelled layout: the
         reference read side on vLLM's write side would not give what the reference promises (the first
         repeat hits what the second does), and shadow's counters say what enforce does.
@@ -1119,6 +1120,10 @@ def get_kv_cache_coordinator_seam(original: Callable, release: Release) -> Calla
             if facts.caps:
                 model = dataclasses.replace(model_coordinator(coordinator, release, aux_cap_group(coordinator)),
                                             capped=True)
+                if model.write is None:
+                    raise Unmodelled(f"{model.label}: the spec does not model its write side under the "
+                                     f"auxiliary outputs' cap ({model.write_note}); kvhit does not enforce a "
+                                     "read side without its write side")
         except Exception as e:  # noqa: BLE001 - the adapter never raises inside vLLM's constructors
             why = str(e) if isinstance(e, Unmodelled) else (
                 f"kvhit could not read the layout ({type(e).__name__}: {e}); this is kvhit's bug, please "
@@ -1257,29 +1262,22 @@ def aux_cap_group(coordinator: KVCacheCoordinator) -> int:
 
 
 def aux_cap_reason(coordinator: KVCacheCoordinator, model: CoordinatorModel) -> str | None:
-    """Why auxiliary outputs leave ``model``'s layout to vLLM, or None: where the spec's write side is proved
-    under their cap.
+    """Why auxiliary outputs leave ``model``'s layout to vLLM, or None: where the spec models their cap.
 
     vLLM 0.33's ``AuxOutputSchedulerConnector.max_cache_hit`` caps each lookup at
     ``M = min(k * b, N - 1)``, ``k`` the leading blocks of KV-cache group ``g`` (:func:`aux_cap_group`;
     block ``b``) that its own store or that group's pool holds. The spec models that cap where ``g`` is full
-    attention (``Layout.aux_cap_group``, ``refimpl.lookup_cap``). Where ``g`` is read at its block its
-    extent is its run, so the cap never binds below what the group serves: the capped reference is the
-    uncapped one, read side and write side, and the layout is enforced (a capped lookup is answered by
-    :func:`capped_reference`). Where ``g`` is read at hash granularity the cap binds inside a block, and the
-    reference's write side under it is refuted never below vLLM's (``kvhit prove --extended``,
-    ``reference_never_below_vllm`` on ``full1600e_mamba1600_pmu160_aux``): the layout is left to vLLM, as
-    is a cap by another kind's leading blocks."""
+    attention (``Layout.aux_cap_group``, ``refimpl.lookup_cap``), and the layout is modelled with it (a
+    capped lookup is answered by :func:`capped_reference`). Where ``g`` is read at its block its extent is
+    its run, so the cap never binds below what the group serves: the capped reference is the uncapped one.
+    Where ``g`` is read at hash granularity the cap binds inside a block, and the reference's write side keeps
+    the prompt's Mamba tail where vLLM keeps its checkpoint unless a resend resumes inside a block
+    (``refimpl.resume_tail``); the capped layout's write side is then modelled or not as any other
+    (:func:`_write_side`). A cap by another kind's leading blocks is not modelled."""
     gid = aux_cap_group(coordinator)
     sg = model.sizes.groups[model.spec_group_of[gid]]
-    if sg.kind is Kind.FULL and not sg.fine:
-        return None
     if sg.kind is Kind.FULL:
-        return ("the scheduler has auxiliary outputs (aux_output_config), whose cap on each lookup "
-                f"(max_cache_hit) is the leading whole blocks of KV-cache group {gid}, full attention read at "
-                "hash granularity: the cap binds inside a block, and the spec's write side under it is not proved "
-                "never below vLLM's (a prompt of 2080 tokens, its first 801, then its first 1600: the reference "
-                "hits 0 where vLLM hits 800)")
+        return None
     return (f"the scheduler has auxiliary outputs (aux_output_config), whose cap on each lookup "
             f"(max_cache_hit) is the leading blocks of KV-cache group {gid}, {sg.kind.value} here: the spec "
             "models the cap of a full-attention group")

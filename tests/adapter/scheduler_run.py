@@ -322,14 +322,16 @@ SCENARIOS.update({name: SCENARIOS[base] for name, (*_, base) in CONNECTORS.items
 # Auxiliary outputs (routed experts; vLLM 0.33 accepts them for MoE models on model runner V2, which the CPU
 # platform has): their connector caps each lookup at the leading blocks of the full-attention group it
 # holds rows for. Enforced on the MTP layout (full attention read at its block: the cap never binds below
-# the reference hit), left wholly to vLLM at hash granularity (prefix_match_unit 160: a hit inside a block
-# passes the cap's whole blocks). The stand-in model runner returns a routed-experts row per token.
+# the reference hit) and at hash granularity with one MTP module (prefix_match_unit 160: a hit inside a block
+# passes the cap's whole blocks); with two, left wholly to vLLM (refimpl.CAPPED_FINE_MAMBA_MTP_DROP). The
+# stand-in model runner returns a routed-experts row per token.
 SCENARIOS["aux-eagle-drop"] = ("mixtral",) + SCENARIOS["eagle-drop"][1:]
 _MOE_MTP_LAYERS = functools.partial(nemotron_h_mtp_layers, model="nemotron_h_moe_mtp")
 SCENARIOS["aux-mtp2-drop"] = ("nemotron_h_moe_mtp", _MTP2_DROP, _MOE_MTP_LAYERS, 1600,
                               (8000, 8000, 8000, 11910, 11910) + _MAMBA_SYSTEM)
 SCENARIOS["aux-pmu160-mtp1-drop"] = ("nemotron_h_moe_mtp", _MTP1_DROP, _MOE_MTP_LAYERS, 1600, _FINE_MAMBA_STREAM)
-PREFIX_MATCH_UNIT["aux-pmu160-mtp1-drop"] = 160
+SCENARIOS["aux-pmu160-mtp2-drop"] = ("nemotron_h_moe_mtp", _MTP2_DROP, _MOE_MTP_LAYERS, 1600, _FINE_MAMBA_STREAM)
+PREFIX_MATCH_UNIT.update({"aux-pmu160-mtp1-drop": 160, "aux-pmu160-mtp2-drop": 160})
 
 
 def _extra_config(name: str, models_dir: str) -> dict:

@@ -14,6 +14,11 @@ sibling, two prompts sharing its first 6000 tokens and the prompt again. Stock v
 resend and 11680 on the second (measured here, ``STOCK``); enforce hits the reference's steady hit from the
 first resend on.
 
+With auxiliary outputs (routed experts of an MoE Nemotron-H, one MTP module in drop mode) every lookup is
+capped at full attention's leading whole blocks, which a hit inside a block passes: the reference keeps the
+tail where vLLM keeps its checkpoint unless a resend resumes inside a block (``Rules.checkpoint_tail_when_capped``;
+with two MTP modules the layout is left to vLLM, ``tests/adapter/test_whole_layout_stock.py``).
+
 Each mode runs in a process of its own (``tests/adapter/scheduler_run.py``; stock: kvhit never imported).
 """
 
@@ -29,9 +34,15 @@ from tests.adapter.layouts import refimpl_layout, speculation
 
 # scenario -> the catalogue layout it is
 SCENARIOS = {"pmu160-mtp1-drop": "qwen3next_pmu160", "three-kind-mtp1-drop": "three_kind",
-             "pmu160-mtp2-drop": "qwen3next_pmu160", "three-kind-mtp2-drop": "three_kind"}
+             "pmu160-mtp2-drop": "qwen3next_pmu160", "three-kind-mtp2-drop": "three_kind",
+             "aux-pmu160-mtp1-drop": "qwen3next_pmu160"}
 # scenario -> MTP modules (drop mode)
-MODULES = {"pmu160-mtp1-drop": 1, "three-kind-mtp1-drop": 1, "pmu160-mtp2-drop": 2, "three-kind-mtp2-drop": 2}
+MODULES = {"pmu160-mtp1-drop": 1, "three-kind-mtp1-drop": 1, "pmu160-mtp2-drop": 2, "three-kind-mtp2-drop": 2,
+           "aux-pmu160-mtp1-drop": 1}
+# Scenarios whose scheduler has auxiliary outputs (routed experts of an MoE Nemotron-H), whose connector caps
+# every lookup at full attention's leading whole blocks: the layout's aux_cap_group (with two MTP modules the
+# layout is left to vLLM: tests/adapter/test_whole_layout_stock.py).
+CAPPED = {"aux-pmu160-mtp1-drop"}
 MODES = ("stock", "shadow", "enforce")
 # What stock vLLM 0.33.0 hits on each scenario's stream (scheduler_run._FINE_MAMBA_STREAM), measured
 # 2026-12-03: the reference's claims say nothing of stock, so these pin the runs and show the comparison with
@@ -40,7 +51,9 @@ STOCK = {"pmu160-mtp1-drop": [0, 11680, 11680, 11680, 0, 3200, 11680],
          "three-kind-mtp1-drop": [0, 9600, 11680, 11680, 0, 0, 11680],
          # two MTP modules (measured 2026-12-06)
          "pmu160-mtp2-drop": [0, 11680, 11680, 11680, 0, 3200, 11680],
-         "three-kind-mtp2-drop": [0, 9600, 11680, 11680, 0, 0, 11680]}
+         "three-kind-mtp2-drop": [0, 9600, 11680, 11680, 0, 0, 11680],
+         # under the auxiliary outputs' cap (measured 2026-12-08)
+         "aux-pmu160-mtp1-drop": [0, 9600, 9600, 9600, 0, 3200, 9600]}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +75,8 @@ def _sizes(run, scenario):
     groups = tuple(R.Group(g.kind, g.block_size, window=g.window, eagle=g.kind == R.Kind.FULL)
                    for g in layout.groups)
     k = MODULES[scenario]
-    return R.derive_sizes(R.Layout(groups, prefix_match_unit=layout.prefix_match_unit),
+    return R.derive_sizes(R.Layout(groups, prefix_match_unit=layout.prefix_match_unit,
+                                   aux_cap_group=0 if scenario in CAPPED else None),
                           speculation("drop", k, k > 1))
 
 
@@ -92,6 +106,22 @@ def test_enforce_first_resend_hits_the_reference_steady_hit(runs, scenario):
     want = R.repeat_hits(_sizes(runs["stock"]["scenarios"][scenario], scenario), 11910, 0, R.REFERENCE, 2)
     assert want[0] == want[1] and tuple(enforce[1:3]) == want, (scenario, enforce, want)
     assert all(e >= s for s, e in zip(stock, enforce)), (scenario, stock, enforce)
+
+
+def test_under_the_auxiliary_outputs_cap_enforce_keeps_the_tail_where_vllm_keeps_its_checkpoint(runs):
+    """Auxiliary outputs cap every lookup at full attention's leading whole blocks, so a resend of 11910
+    tokens is capped at 11200: stock hits 9600 from the first resend on, enforce 11200, ``refimpl``'s
+    reference under the cap; without the cap both hit 11680. The tail rule under the cap
+    (``refimpl.resume_tail``) is what a stream needs beyond a resend: ``tail_at_capped_resume`` hits the
+    same resends here (and less than vLLM elsewhere: tests/unit/test_aux_write_side.py)."""
+    scenario = "aux-pmu160-mtp1-drop"
+    sizes = _sizes(runs["stock"]["scenarios"][scenario], scenario)
+    assert sizes.cap_group == 0
+    assert R.repeat_hits(sizes, 11910, 0, R.REFERENCE, 2) == (11200, 11200)
+    assert _hits(runs["enforce"], scenario)[1:3] == [11200, 11200] and _hits(runs["stock"], scenario)[1:3] == [9600] * 2
+    assert _hits(runs["enforce"], "pmu160-mtp1-drop")[1:3] == [11680, 11680]
+    status = runs["enforce"]["scenarios"][scenario]["kvhit_status"]
+    assert status["layout"]["aux_cap_group"] == 0, status
 
 
 @pytest.mark.parametrize("scenario", ["three-kind-mtp1-drop", "three-kind-mtp2-drop"])

@@ -50,7 +50,7 @@ EXPECTED_SETUP = {
 # Auxiliary outputs (MoE targets on model runner V2: a Mixtral with the Llama's EAGLE draft, a Nemotron-H with
 # an MoE layer): their connector caps each lookup at full attention's leading blocks (the layout's
 # aux_cap_group), which never binds below the reference hit where full attention is read at its block, so
-# these layouts are enforced (scheduler_run, "aux-*"; at hash granularity, tests/adapter/test_whole_layout_stock.py).
+# these layouts are enforced (scheduler_run, "aux-*"; at hash granularity, tests/adapter/test_fine_mamba.py).
 
 
 def _aux(setup):

@@ -127,7 +127,7 @@ def test_with_multi_module_mtp_in_drop_mode_a_short_prompt_keeps_its_tail_where_
     sizes = ReplayContext(Config(layout, Speculation(Mode.DROP, 2, multi_module_mtp=True), None),
                           ALL_POLICIES["reference"], {"N": 320}, None).sizes()
     boundaries = replay_boundaries(sizes, 320, policy_rules("reference"))
-    assert (boundaries[0], boundaries[3], resume_tail(sizes, boundaries)) == (0, 160, 160)
+    assert (boundaries[0], boundaries[3], resume_tail(sizes, 320, boundaries, policy_rules("reference"))) == (0, 160, 160)
 
 
 @settings(max_examples=300, deadline=None)
