@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: f766f3666a58266d2d304ee6bff514796777df228f07e06ae6a1761a432ef2ab
-output-sha256: 25da909b85ff3ad9c23810ed9255db3ffc77b31802d77d981ada9853c316e691
+spec-sha256: a2b0c917a3d25f6bf9b5e67333dba839f59e8523a6e101f13122c314115f2fd9
+output-sha256: ce7cbdc85af984284cd37342974b6e1afab7469e7fded3c38cdd4edaa5f81c06
 """
 
 import itertools
@@ -693,8 +693,9 @@ class Rules:
         vllm_checkpoint: the write side also keeps state at vLLM's Mamba prompt checkpoint, one more replay
             boundary (:func:`kvhit.spec.retention.replay_boundaries`).
         checkpoint_tail_when_capped: where lookups are capped (auxiliary outputs) and a Mamba group is read
-            at hash granularity, the prompt's one Mamba partial tail is vLLM's prompt checkpoint, not the
-            resend's capped resume point (:func:`kvhit.spec.retention.resume_tail`).
+            at hash granularity, the prompt's one Mamba partial tail is the resend's capped resume point only
+            where that lies inside a Mamba block, and elsewhere vLLM's prompt checkpoint
+            (:func:`kvhit.spec.retention.resume_tail`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule

@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: f766f3666a58266d2d304ee6bff514796777df228f07e06ae6a1761a432ef2ab
+spec-sha256: a2b0c917a3d25f6bf9b5e67333dba839f59e8523a6e101f13122c314115f2fd9
 output-sha256: c1e9050dea8d620072e7fb508362fd988139a8e2689b1eaee7c5c0dcdd37204e
 """
 

@@ -113,8 +113,9 @@ class Rules:
         vllm_checkpoint: the write side also keeps state at vLLM's Mamba prompt checkpoint, one more replay
             boundary (:func:`kvhit.spec.retention.replay_boundaries`).
         checkpoint_tail_when_capped: where lookups are capped (auxiliary outputs) and a Mamba group is read
-            at hash granularity, the prompt's one Mamba partial tail is vLLM's prompt checkpoint, not the
-            resend's capped resume point (:func:`kvhit.spec.retention.resume_tail`).
+            at hash granularity, the prompt's one Mamba partial tail is the resend's capped resume point only
+            where that lies inside a Mamba block, and elsewhere vLLM's prompt checkpoint
+            (:func:`kvhit.spec.retention.resume_tail`).
 
     Raises:
         ValueError: a ``replay`` or ``junction`` that is not one of its enum's values (a misspelt rule

@@ -19,8 +19,9 @@ Seams (each restored by :func:`kvhit.adapters.vllm.uninstall`):
 * ``Scheduler.__init__``: tells the coordinator it builds whether the scheduler has a KV connector
   (enforced where every group is full attention read at its block, or where it starts every request at
   ``N - 1``: :func:`engine.connector_reason`) or
-  auxiliary outputs (lookups capped below ``N - 1``: enforced where the cap never binds,
-  :func:`engine.aux_cap_reason`); elsewhere the whole layout is left to vLLM (:func:`scheduler_facts`).
+  auxiliary outputs (lookups capped below ``N - 1``: enforced where they cap at full attention's blocks and
+  the spec models the write side under the cap, :func:`engine.aux_cap_reason`); elsewhere the whole layout is
+  left to vLLM (:func:`scheduler_facts`).
 * ``UnitaryKVCacheCoordinator.find_longest_cache_hit`` and ``HybridKVCacheCoordinator.find_longest_cache_hit``:
   the hit of ``KVCacheManager.get_computed_blocks``.
 * ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: the per-group hits of
@@ -100,8 +101,9 @@ def scheduler_facts(vllm_config) -> engine.SchedulerFacts:
     A connector is handed the local hit and loads past it, which leaves full attention's write side as it
     is (:func:`engine.connector_reason`); the auxiliary-output connector's cap
     (``AuxOutputSchedulerConnector.max_cache_hit``) never binds on a layout whose full-attention group it
-    reads at its block (:func:`engine.aux_cap_reason`). A config it cannot read is a reason (never less
-    than stock). Never raises.
+    reads at its block, and where it reads it at hash granularity the spec models the write side under it
+    (:func:`engine.aux_cap_reason`). A config it cannot read is a reason (never less than stock). Never
+    raises.
     """
     return engine.scheduler_facts(vllm_config, None)
 
