@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: a2b0c917a3d25f6bf9b5e67333dba839f59e8523a6e101f13122c314115f2fd9
-output-sha256: ce7cbdc85af984284cd37342974b6e1afab7469e7fded3c38cdd4edaa5f81c06
+spec-sha256: c347d440efe7474fb75775230d69ad3a68bcf36cf57c64979111a7d3d0645900
+output-sha256: d05ab44ea7bce2eae03fb37523183520da6a1b9d6a601b30395d3c5fdfbc66ab
 """
 
 import itertools
@@ -1623,8 +1623,8 @@ def write_side_unmodelled(sizes: Sizes) -> str:
       vLLM's tail where the reference kept none (``reference_never_below_vllm`` refuted: 11200 tokens, a
       prompt of 1920 sharing 1761, then one of 6399 sharing 4799 with the first hit 1600 where vLLM hits
       1760); at vLLM's checkpoint, the first repeat misses the resume point
-      (``scheduler_and_mask_boundaries_agree`` refuted: ``N = 3840``, 1600 where every state retained gives
-      3040). :func:`resume_tail` keeps the first.
+      (``scheduler_and_mask_boundaries_agree`` fails: ``N = 3840``, 1600 where every state retained gives
+      3040, measured with the tail moved there on 2026-12-08). :func:`resume_tail` keeps the first.
     """
     if sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes) and any((sg.kind is Kind.MAMBA and sg.drops for sg in sizes.groups)):
         return f"{FINE_MAMBA_MTP_DROP}: its caching calls end Lp - 1 tokens before the chunk, so no partial tail is kept at the resend's resume point (scheduler_and_mask_boundaries_agree fails on concrete prompts, e.g. qwen3next_pmu160 with no group flagged EAGLE, dense retention, N = 478: the first repeat hits 0, a cache holding every state 160)"

@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: a2b0c917a3d25f6bf9b5e67333dba839f59e8523a6e101f13122c314115f2fd9
+spec-sha256: c347d440efe7474fb75775230d69ad3a68bcf36cf57c64979111a7d3d0645900
 output-sha256: c1e9050dea8d620072e7fb508362fd988139a8e2689b1eaee7c5c0dcdd37204e
 """
 

@@ -507,8 +507,8 @@ def write_side_unmodelled(sizes: Sizes) -> str:
       vLLM's tail where the reference kept none (``reference_never_below_vllm`` refuted: 11200 tokens, a
       prompt of 1920 sharing 1761, then one of 6399 sharing 4799 with the first hit 1600 where vLLM hits
       1760); at vLLM's checkpoint, the first repeat misses the resume point
-      (``scheduler_and_mask_boundaries_agree`` refuted: ``N = 3840``, 1600 where every state retained gives
-      3040). :func:`resume_tail` keeps the first.
+      (``scheduler_and_mask_boundaries_agree`` fails: ``N = 3840``, 1600 where every state retained gives
+      3040, measured with the tail moved there on 2026-12-08). :func:`resume_tail` keeps the first.
     """
     if (sizes.drop and sizes.prefill_lookahead >= 2 and mamba_at_hash_granularity(sizes)
             and any(sg.kind is Kind.MAMBA and sg.drops for sg in sizes.groups)):

@@ -9,7 +9,7 @@ prompt, its cap raised by another request's blocks, finds vLLM's tail where the 
 
 ``reference_never_below_vllm`` is composed here (README, "Dominance, composed"): its whole check on this
 configuration is PROVED too, but costs 2.9 G units (417 s on 2 busy cores, 2026-12-08), against 1.6 G for the
-lemma. With two MTP modules in drop mode no placement of the one tail keeps both promises, and the layout is
+lemma. With two MTP modules in drop mode neither place for the one tail keeps both claims, and the layout is
 left to vLLM (``refimpl.CAPPED_FINE_MAMBA_MTP_DROP``).
 """
 
