@@ -1,8 +1,8 @@
 """kvhit reference implementation, GENERATED from spec/ by `make gen` (python -m kvhit.spec.codegen). DO NOT EDIT.
 
 Sources: spec/runtime.py, spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py, spec/api.py (lowered with spec/terms.py's operator table).
-spec-sha256: c347d440efe7474fb75775230d69ad3a68bcf36cf57c64979111a7d3d0645900
-output-sha256: d05ab44ea7bce2eae03fb37523183520da6a1b9d6a601b30395d3c5fdfbc66ab
+spec-sha256: 354c44233853d586b5e8fb63aa334df46d2eb5153aba81fd289ca329167f1ecf
+output-sha256: c195a4a0f9d5f67d3ad38ddfa26cdd86153ca8133313d8e12f9800e4535f6fa4
 """
 
 import itertools
@@ -1231,6 +1231,11 @@ def checkpoint_position(n_tokens, unit: int, drop: bool, lookahead: int):
         return max(n_tokens // unit * unit - unit, 0)
     return max((n_tokens - max(1, lookahead)) // unit * unit, 0)
 
+def prompt_checkpoint(sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM registers the prompt's Mamba state: :func:`checkpoint_position` at the hash unit, with the
+    EAGLE drop when the layout drops and ``rules.checkpoint_drop``."""
+    return checkpoint_position(n_tokens, sizes.hash_block, sizes.drop and rules.checkpoint_drop, sizes.hash_lookahead)
+
 def reprefillable(sizes: Sizes) -> int:
     """Tokens multi-module MTP may prefill again (vLLM ``num_reprefillable_tokens``)."""
     return max(0, sizes.prefill_lookahead - 1)
@@ -1411,8 +1416,7 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """
     ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == Replay.RESUME else ()
     if rules.vllm_checkpoint and any((sg.kind is Kind.MAMBA for sg in sizes.groups)):
-        drop = sizes.drop and rules.checkpoint_drop
-        ours += (checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead),)
+        ours += (prompt_checkpoint(sizes, n_tokens, rules),)
     if rules.replay == Replay.PROMPT_END or not sizes.drop:
         return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
@@ -1540,12 +1544,10 @@ def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules, retained=
     if not any((sg.kind is Kind.MAMBA for sg in sizes.groups)):
         return ChunkStops()
     big = sizes.config_block
-    drop = sizes.drop and rules.checkpoint_drop
-    lookahead = sizes.hash_lookahead
-    last_cache_position = checkpoint_position(n_tokens, big, drop, lookahead)
+    last_cache_position = checkpoint_position(n_tokens, big, sizes.drop and rules.checkpoint_drop, sizes.hash_lookahead)
     later = []
     if sizes.partial_hits:
-        tail = checkpoint_position(n_tokens, sizes.hash_block, drop, lookahead)
+        tail = prompt_checkpoint(sizes, n_tokens, rules)
         later.append(tail if last_cache_position < tail and tail < n_tokens else NO_STOP)
     later.append(start + (junction - start) // big * big if start < junction and junction < n_tokens else NO_STOP)
     inside = list(retained) if sizes.alignment % big else []
@@ -1670,8 +1672,7 @@ def resume_tail(sizes: Sizes, n_tokens, boundaries, rules: Rules):
     if not (rules.checkpoint_tail_when_capped and sizes.cap_group is not None and mamba_at_hash_granularity(sizes)):
         return resend
     block = min((sg.block for sg in sizes.groups if sg.kind is Kind.MAMBA and sg.fine))
-    vllm_tail = checkpoint_position(n_tokens, sizes.hash_block, sizes.drop and rules.checkpoint_drop, sizes.hash_lookahead)
-    return vllm_tail if eq_zero_mod(resend, block) else resend
+    return prompt_checkpoint(sizes, n_tokens, rules) if eq_zero_mod(resend, block) else resend
 
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
     """The Mamba states a request leaves: vLLM's bookkeeping, one state per Mamba block slot and one partial
@@ -1713,11 +1714,10 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
             kept = kept or e == x // b * b
         ok = e > 0 and e <= top and eq_zero_mod(e, b) and kept
         points.append(e if ok else NO_STATE)
-    drop = sizes.drop and rules.checkpoint_drop
     if resume:
         tail = resume_tail(sizes, n_tokens, boundaries, rules)
     else:
-        tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
+        tail = prompt_checkpoint(sizes, n_tokens, rules)
     is_end = False
     for e in ends:
         is_end = is_end or e == tail

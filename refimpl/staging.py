@@ -5,7 +5,7 @@ spec/domain.py, spec/sizes.py, spec/cache.py, spec/policy.py, spec/retention.py,
 (or one that does), copied as the spec writes them; the rest, and the domain types, from refimpl/policy.py.
 See kvhit.spec.codegen.generate_staging.
 Z3 is imported only if a Z3 term is built, which nothing here does.
-spec-sha256: c347d440efe7474fb75775230d69ad3a68bcf36cf57c64979111a7d3d0645900
+spec-sha256: 354c44233853d586b5e8fb63aa334df46d2eb5153aba81fd289ca329167f1ecf
 output-sha256: c1e9050dea8d620072e7fb508362fd988139a8e2689b1eaee7c5c0dcdd37204e
 """
 

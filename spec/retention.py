@@ -71,6 +71,12 @@ def checkpoint_position(n_tokens, unit: int, drop: bool, lookahead: int):
     return max_(floor_to(n_tokens - max(1, lookahead), unit), 0)
 
 
+def prompt_checkpoint(sizes: Sizes, n_tokens, rules: Rules):
+    """Where vLLM registers the prompt's Mamba state: :func:`checkpoint_position` at the hash unit, with the
+    EAGLE drop when the layout drops and ``rules.checkpoint_drop``."""
+    return checkpoint_position(n_tokens, sizes.hash_block, sizes.drop and rules.checkpoint_drop, sizes.hash_lookahead)
+
+
 def reprefillable(sizes: Sizes) -> int:
     """Tokens multi-module MTP may prefill again (vLLM ``num_reprefillable_tokens``)."""
     return max(0, sizes.prefill_lookahead - 1)
@@ -271,8 +277,7 @@ def replay_boundaries(sizes: Sizes, n_tokens, rules: Rules, read=None):
     """
     ours = resume_points(sizes, n_tokens, rules, read) if rules.replay == Replay.RESUME else ()
     if rules.vllm_checkpoint and any(sg.kind is Kind.MAMBA for sg in sizes.groups):
-        drop = sizes.drop and rules.checkpoint_drop
-        ours += (checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead),)
+        ours += (prompt_checkpoint(sizes, n_tokens, rules),)
     if rules.replay == Replay.PROMPT_END or not sizes.drop:
         return ours + (n_tokens - 1,)
     s = sizes.scheduler_block
@@ -410,12 +415,11 @@ def chunk_stops(sizes: Sizes, n_tokens, start, junction, rules: Rules, retained=
     if not any(sg.kind is Kind.MAMBA for sg in sizes.groups):
         return ChunkStops()
     big = sizes.config_block
-    drop = sizes.drop and rules.checkpoint_drop
-    lookahead = sizes.hash_lookahead
-    last_cache_position = checkpoint_position(n_tokens, big, drop, lookahead)
+    last_cache_position = checkpoint_position(n_tokens, big, sizes.drop and rules.checkpoint_drop,
+                                              sizes.hash_lookahead)
     later = []  # the stops past the checkpoint
     if sizes.partial_hits:
-        tail = checkpoint_position(n_tokens, sizes.hash_block, drop, lookahead)
+        tail = prompt_checkpoint(sizes, n_tokens, rules)
         later.append(ite(and_(last_cache_position < tail, tail < n_tokens), tail, NO_STOP))
     later.append(ite(and_(start < junction, junction < n_tokens), start + floor_to(junction - start, big),
                      NO_STOP))
@@ -566,9 +570,7 @@ def resume_tail(sizes: Sizes, n_tokens, boundaries, rules: Rules):
     if not (rules.checkpoint_tail_when_capped and sizes.cap_group is not None and mamba_at_hash_granularity(sizes)):
         return resend
     block = min(sg.block for sg in sizes.groups if sg.kind is Kind.MAMBA and sg.fine)
-    vllm_tail = checkpoint_position(n_tokens, sizes.hash_block, sizes.drop and rules.checkpoint_drop,
-                                    sizes.hash_lookahead)
-    return ite(eq_zero_mod(resend, block), vllm_tail, resend)
+    return ite(eq_zero_mod(resend, block), prompt_checkpoint(sizes, n_tokens, rules), resend)
 
 
 def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction, rules: Rules, retained=()):
@@ -614,11 +616,10 @@ def mamba_held(sizes: Sizes, k, n_tokens, interval, boundaries, start, junction,
             kept = or_(kept, eq(e, floor_to(x, b)))  # the block ending at or before the boundary
         ok = and_(and_(and_(e > 0, e <= top), eq_zero_mod(e, b)), kept)
         points.append(ite(ok, e, NO_STATE))
-    drop = sizes.drop and rules.checkpoint_drop
     if resume:
         tail = resume_tail(sizes, n_tokens, boundaries, rules)
     else:
-        tail = checkpoint_position(n_tokens, sizes.hash_block, drop, sizes.hash_lookahead)
+        tail = prompt_checkpoint(sizes, n_tokens, rules)
     is_end = False
     for e in ends:
         is_end = or_(is_end, eq(e, tail))
